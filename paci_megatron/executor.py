@@ -1,0 +1,126 @@
+"""Run one stage's action list by dispatching each action to a handler.
+
+Torch-free: the handlers (``mcore/runtime.py`` for Megatron-Core, fakes in the tests) do the
+work; this module owns the order, the weight-version bookkeeping and the drift guard.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Protocol, Sequence
+
+from .schedule import COMPUTE_OPS, Action, Op
+
+
+class Handlers(Protocol):
+    def forward(self, mb: int) -> None: ...
+
+    def backward(self, mb: int) -> None: ...
+
+    def communicate(self, actions: Sequence[Action]) -> None:
+        """Post the sends and complete the receives of consecutive communication actions."""
+
+    def step(self, mb: int) -> None: ...
+
+
+class DriftBoundExceeded(RuntimeError):
+    def __init__(self, stage: int, mb: int, fwd_version: int, bwd_version: int, bound: int):
+        self.stage, self.mb, self.bound = stage, mb, bound
+        self.fwd_version, self.bwd_version = fwd_version, bwd_version
+        super().__init__(
+            f"PACI drift bound violated at stage {stage}: micro-batch {mb} ran forward on weight "
+            f"version {fwd_version} and backward on version {bwd_version} (drift "
+            f"{bwd_version - fwd_version} > --paci-max-drift {bound})"
+        )
+
+
+class ExecutionError(RuntimeError):
+    """An action failed; says which stage and action, and shows the list around it."""
+
+
+@dataclass
+class DriftStats:
+    """Per-stage record of weight versions: version = local optimizer steps taken so far."""
+
+    stage: int
+    bound: Optional[int]
+    version: int = 0
+    fwd_version: Dict[int, int] = field(default_factory=dict)
+    histogram: Counter = field(default_factory=Counter)
+    log: List[tuple] = field(default_factory=list)  # (mb, fwd_version, bwd_version)
+    keep_log: bool = False
+
+    def on_forward(self, mb: int) -> None:
+        self.fwd_version[mb] = self.version
+
+    def on_backward(self, mb: int) -> None:
+        fwd = self.fwd_version.pop(mb)
+        drift = self.version - fwd
+        if self.bound is not None and drift > self.bound:
+            raise DriftBoundExceeded(self.stage, mb, fwd, self.version, self.bound)
+        self.histogram[drift] += 1
+        if self.keep_log:
+            self.log.append((mb, fwd, self.version))
+
+    def on_step(self) -> None:
+        self.version += 1
+
+    def forget_in_flight(self) -> List[int]:
+        """Drop micro-batches whose forward ran but whose backward never will (a drain)."""
+        dropped = sorted(self.fwd_version)
+        self.fwd_version.clear()
+        return dropped
+
+    @property
+    def max(self) -> int:
+        return max(self.histogram, default=0)
+
+
+def _context(actions: Sequence[Action], index: int, radius: int = 4) -> str:
+    lo, hi = max(0, index - radius), min(len(actions), index + radius + 1)
+    parts = [f"[{a}]" if i == index else str(a) for i, a in enumerate(actions[lo:hi], lo)]
+    return ("... " if lo else "") + " ".join(parts) + (" ..." if hi < len(actions) else "")
+
+
+class StageExecutor:
+    """Executes a stage's actions in order; consecutive communication actions go together to
+    ``Handlers.communicate`` (Megatron's fused send/recv, needed by NCCL to avoid deadlock)."""
+
+    def __init__(self, stage: int, handlers: Handlers, drift: DriftStats):
+        self.stage = stage
+        self.handlers = handlers
+        self.drift = drift
+
+    def run(self, actions: Sequence[Action]) -> None:
+        i = 0
+        while i < len(actions):
+            j = i + 1
+            if actions[i].op not in COMPUTE_OPS and actions[i].op is not Op.STEP:
+                while j < len(actions) and actions[j].op not in COMPUTE_OPS \
+                        and actions[j].op is not Op.STEP:
+                    j += 1
+            try:
+                self._dispatch(actions[i:j])
+            except (DriftBoundExceeded, ExecutionError):
+                raise
+            except Exception as exc:
+                raise ExecutionError(
+                    f"stage {self.stage} failed at {actions[i]}: {type(exc).__name__}: {exc}\n"
+                    f"  stage {self.stage} actions: {_context(actions, i)}"
+                ) from exc
+            i = j
+
+    def _dispatch(self, group: Sequence[Action]) -> None:
+        act = group[0]
+        if act.op is Op.FORWARD:
+            self.drift.on_forward(act.mb)
+            self.handlers.forward(act.mb)
+        elif act.op is Op.BACKWARD:
+            self.drift.on_backward(act.mb)
+            self.handlers.backward(act.mb)
+        elif act.op is Op.STEP:
+            self.handlers.step(act.mb)
+            self.drift.on_step()
+        else:
+            self.handlers.communicate(group)
