@@ -1,0 +1,188 @@
+"""Command-line flags with Megatron-LM's names, plus PACI's, and checks that run before any
+process group starts (so bad input fails fast with the flag and the fix in the message)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import List, Optional, Sequence
+
+from .registry import SCHEDULES, ScheduleOptions
+
+
+class ConfigError(ValueError):
+    """A bad flag or combination of flags; the message names the flag and the fix."""
+
+
+def _positive(name: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} takes a whole number, got {text!r}")
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
+        return value
+
+    return parse
+
+
+def _non_negative_float(name: str):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} takes a number, got {text!r}")
+        if not value >= 0.0:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {text}")
+        return value
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="GPT pretraining on Megatron-Core with a selectable pipeline schedule "
+                    "(PACI: asynchronous, bubble-free, bounded weight drift).")
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=_positive("--num-layers"), default=4)
+    g.add_argument("--hidden-size", type=_positive("--hidden-size"), default=64)
+    g.add_argument("--num-attention-heads", type=_positive("--num-attention-heads"), default=4)
+    g.add_argument("--ffn-hidden-size", type=_positive("--ffn-hidden-size"), default=None)
+    g.add_argument("--seq-length", type=_positive("--seq-length"), default=32)
+    g.add_argument("--max-position-embeddings", type=_positive("--max-position-embeddings"),
+                   default=None)
+    g.add_argument("--vocab-size", type=_positive("--vocab-size"), default=256)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    g.add_argument("--hidden-dropout", type=_non_negative_float("--hidden-dropout"), default=0.0)
+    g.add_argument("--attention-dropout", type=_non_negative_float("--attention-dropout"),
+                   default=0.0)
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=_positive("--tensor-model-parallel-size"),
+                   default=1)
+    g.add_argument("--pipeline-model-parallel-size",
+                   type=_positive("--pipeline-model-parallel-size"), default=None,
+                   help="default: every rank not used by tensor parallelism (data parallel 1)")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage",
+                   type=_positive("--num-layers-per-virtual-pipeline-stage"), default=None)
+    g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None,
+                   help="default: nccl when CUDA is available, else gloo")
+    g.add_argument("--distributed-timeout-minutes", type=_non_negative_float(
+        "--distributed-timeout-minutes"), default=10.0)
+    g = p.add_argument_group("batch and optimizer")
+    g.add_argument("--micro-batch-size", type=_positive("--micro-batch-size"), default=2)
+    g.add_argument("--global-batch-size", type=_positive("--global-batch-size"), default=None,
+                   help="default: 8 micro-batches per data-parallel rank")
+    g.add_argument("--train-iters", type=_positive("--train-iters"), default=20)
+    g.add_argument("--lr", type=_non_negative_float("--lr"), default=1e-3)
+    g.add_argument("--min-lr", type=_non_negative_float("--min-lr"), default=0.0)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--weight-decay", type=_non_negative_float("--weight-decay"), default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--clip-grad", type=_non_negative_float("--clip-grad"), default=1.0)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--seed", type=int, default=1234)
+    g = p.add_argument_group("data and logging")
+    g.add_argument("--mock-data", action="store_true", help="synthetic tokens (the default)")
+    g.add_argument("--log-interval", type=_positive("--log-interval"), default=1)
+    g = p.add_argument_group("pipeline schedule")
+    g.add_argument("--pipeline-schedule", default="paci",
+                   help=f"one of {SCHEDULES.names()} (default: paci)")
+    g.add_argument("--paci-accumulation-factor", type=int, default=None,
+                   help="backward passes per local optimizer step (default: micro-batches per "
+                        "global batch)")
+    g.add_argument("--paci-max-drift", type=int, default=None,
+                   help="largest tolerated drift; default: the bound ceil((P-1-s)/a)")
+    return p
+
+
+def validate(args: argparse.Namespace, world_size: int) -> ScheduleOptions:
+    """Fill derived values into ``args`` and check them; raises ConfigError."""
+    tp = args.tensor_model_parallel_size
+    if world_size % tp:
+        raise ConfigError(f"--tensor-model-parallel-size {tp} must divide the world size "
+                          f"{world_size} (torchrun --nproc-per-node x --nnodes)")
+    pp = args.pipeline_model_parallel_size or world_size // tp
+    args.pipeline_model_parallel_size = pp
+    if world_size % (tp * pp):
+        raise ConfigError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size "
+                          f"{pp} must divide the world size {world_size}")
+    dp = world_size // (tp * pp)
+    args.data_parallel_size = dp
+    if args.num_layers % pp:
+        raise ConfigError(f"--num-layers {args.num_layers} is not divisible by "
+                          f"--pipeline-model-parallel-size {pp}; pick a multiple of {pp}")
+    vpp = None
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        per_stage = args.num_layers // pp
+        if per_stage % args.num_layers_per_virtual_pipeline_stage:
+            raise ConfigError(
+                f"--num-layers-per-virtual-pipeline-stage "
+                f"{args.num_layers_per_virtual_pipeline_stage} must divide the "
+                f"{per_stage} layers of each pipeline stage")
+        vpp = per_stage // args.num_layers_per_virtual_pipeline_stage
+        if vpp == 1:
+            vpp = None
+    args.virtual_pipeline_model_parallel_size = vpp
+    if args.hidden_size % args.num_attention_heads:
+        raise ConfigError(f"--hidden-size {args.hidden_size} must be divisible by "
+                          f"--num-attention-heads {args.num_attention_heads}")
+    if args.num_attention_heads % tp:
+        raise ConfigError(f"--num-attention-heads {args.num_attention_heads} must be divisible "
+                          f"by --tensor-model-parallel-size {tp}")
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.seq_length > args.max_position_embeddings:
+        raise ConfigError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
+                          f"{args.max_position_embeddings}")
+    if args.global_batch_size is None:
+        args.global_batch_size = 8 * args.micro_batch_size * dp
+    per_step = args.micro_batch_size * dp
+    if args.global_batch_size % per_step:
+        raise ConfigError(f"--global-batch-size {args.global_batch_size} is not divisible by "
+                          f"--micro-batch-size {args.micro_batch_size} x data-parallel size {dp}"
+                          f" = {per_step}")
+    num_mb = args.global_batch_size // per_step
+    args.num_microbatches = num_mb
+    if args.fp16 and args.bf16:
+        raise ConfigError("--fp16 and --bf16 are exclusive; pick one")
+    if args.fp16:
+        raise ConfigError("--fp16 is not supported by this entry point (dynamic loss scaling "
+                          "is untested here); use --bf16 or fp32")
+    if args.lr_warmup_iters < 0:
+        raise ConfigError(f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
+    if args.min_lr > args.lr:
+        raise ConfigError(f"--min-lr {args.min_lr} is above --lr {args.lr}")
+    if args.paci_accumulation_factor is None:
+        args.paci_accumulation_factor = num_mb
+    entry = SCHEDULES.get(args.pipeline_schedule)
+    opts = ScheduleOptions(
+        pipeline_size=pp, virtual_size=vpp, num_microbatches=num_mb,
+        accumulation=args.paci_accumulation_factor, max_drift=args.paci_max_drift,
+        micro_batch_size=args.micro_batch_size, data_parallel_size=dp,
+    )
+    try:
+        entry.check(opts)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if args.pipeline_schedule == "paci" and pp > 1 and not args.untie_embeddings_and_output_weights:
+        raise ConfigError(
+            "--pipeline-schedule paci with tied embeddings would all-reduce the embedding "
+            "gradient between the first and last stage at every step, which stalls the "
+            "asynchronous pipeline; add --untie-embeddings-and-output-weights")
+    return opts
+
+
+def parse_and_validate(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        opts = validate(args, world)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    return args, opts

@@ -1,0 +1,25 @@
+"""Pretrain a GPT on Megatron-Core with a selectable pipeline schedule.
+
+    torchrun --nproc-per-node 2 pretrain_gpt_paci.py --pipeline-schedule paci \
+        --untie-embeddings-and-output-weights
+
+Flags follow Megatron-LM's pretrain_gpt.py; ``--pipeline-schedule {1f1b,interleaved,paci}``,
+``--paci-accumulation-factor`` and ``--paci-max-drift`` are PACI's. Bad flags fail here, before
+any process group starts.
+"""
+
+import sys
+
+from paci_megatron.arguments import parse_and_validate
+
+
+def main(argv=None) -> int:
+    args, opts = parse_and_validate(argv)
+    from paci_megatron.training import train  # imports Megatron: after the flags are checked
+
+    train(args, opts)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
