@@ -159,7 +159,10 @@ def validate(args: argparse.Namespace, world_size: int) -> ScheduleOptions:
         raise ConfigError(f"--min-lr {args.min_lr} is above --lr {args.lr}")
     if args.paci_accumulation_factor is None:
         args.paci_accumulation_factor = num_mb
-    entry = SCHEDULES.get(args.pipeline_schedule)
+    try:
+        entry = SCHEDULES.get(args.pipeline_schedule)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     opts = ScheduleOptions(
         pipeline_size=pp, virtual_size=vpp, num_microbatches=num_mb,
         accumulation=args.paci_accumulation_factor, max_drift=args.paci_max_drift,

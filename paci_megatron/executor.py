@@ -6,9 +6,9 @@ work; this module owns the order, the weight-version bookkeeping and the drift g
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Protocol, Sequence
+from typing import Any, Deque, Dict, Iterator, List, Optional, Protocol, Sequence
 
 from .schedule import COMPUTE_OPS, Action, Op
 
@@ -124,3 +124,30 @@ class StageExecutor:
             self.drift.on_step()
         else:
             self.handlers.communicate(group)
+
+
+class ReplayIterator:
+    """Wraps a stage's data iterator so that the items consumed by forwards that a drain
+    throws away are served again, in order, by the next forwards."""
+
+    def __init__(self, base: Optional[Iterator]):
+        self.base = base
+        self.current: Optional[int] = None
+        self.taken: Dict[int, List[Any]] = {}
+        self.replay: Deque[Any] = deque()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = self.replay.popleft() if self.replay else next(self.base)
+        self.taken.setdefault(self.current, []).append(item)
+        return item
+
+    def release(self, mb: int) -> None:
+        self.taken.pop(mb, None)
+
+    def rewind(self, mbs: Sequence[int]) -> int:
+        items = [item for mb in sorted(mbs) for item in self.taken.pop(mb, [])]
+        self.replay.extendleft(reversed(items))
+        return len(items)

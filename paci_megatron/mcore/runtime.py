@@ -9,9 +9,8 @@ comes from ``schedule.plan_stream`` (validated by ``simulate``) and is run by
 from __future__ import annotations
 
 import contextlib
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from megatron.core import parallel_state
@@ -21,63 +20,11 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_model_config, get_model_type
 
-from ..executor import DriftStats, StageExecutor
+from ..autograd_versions import keep_version_counters
+from ..executor import DriftStats, ReplayIterator, StageExecutor
 from ..schedule import Action, Op, StreamPlan, drift_bound, plan_stream
 
 STOCK_GET_FORWARD_BACKWARD_FUNC = mcore_schedules.get_forward_backward_func
-
-
-# --- weights updated in place while micro-batches are in flight ----------------------------
-
-@contextlib.contextmanager
-def keep_version_counters(params: Sequence[torch.Tensor]):
-    """Run an in-place optimizer step without invalidating in-flight autograd graphs.
-
-    Autograd saves weights by reference and checks their version counters at backward time;
-    a step in between bumps them and backward fails ("modified by an inplace operation").
-    PACI wants exactly that backward to read the new values (no stash, no copy), so the
-    counters are put back after the step. Safe because the values are read at backward time
-    from the same storage; nothing derived from the old values is kept.
-    """
-    setter = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
-    if setter is None:
-        raise RuntimeError(
-            "this torch has no torch._C._autograd._unsafe_set_version_counter, which PACI needs "
-            "to step weights while micro-batches are in flight; use torch 2.13"
-        )
-    params = tuple(params)
-    versions = tuple(p._version for p in params)
-    yield
-    setter(params, versions)
-
-
-# --- data: what a drained forward consumed is served again --------------------------------
-
-class ReplayIterator:
-    """Wraps a stage's data iterator so that the items consumed by forwards that a drain
-    throws away are served again, in order, by the next forwards."""
-
-    def __init__(self, base: Optional[Iterator]):
-        self.base = base
-        self.current: Optional[int] = None
-        self.taken: Dict[int, List[Any]] = {}
-        self.replay: Deque[Any] = deque()
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        item = self.replay.popleft() if self.replay else next(self.base)
-        self.taken.setdefault(self.current, []).append(item)
-        return item
-
-    def release(self, mb: int) -> None:
-        self.taken.pop(mb, None)
-
-    def rewind(self, mbs: Sequence[int]) -> int:
-        items = [item for mb in sorted(mbs) for item in self.taken.pop(mb, [])]
-        self.replay.extendleft(reversed(items))
-        return len(items)
 
 
 # --- one stage's handlers -------------------------------------------------------------------

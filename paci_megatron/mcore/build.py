@@ -1,0 +1,505 @@
+"""Builders around stock Megatron-Core 0.16.1: process groups, GPT model chunks, optimizer,
+LR scheduler, a mock data iterator and a Megatron-style forward step.
+
+This module (with ``paci_megatron.patches`` and ``paci_megatron.mcore.runtime``) is the only place
+that imports Megatron internals. Everything here is meant to behave like Megatron-LM's
+``training.py`` / ``pretrain_gpt.py`` so that the stock schedules work unchanged on the built
+model: ``config.no_sync_func``, ``config.finalize_model_grads_func`` and
+``config.grad_scale_func`` are set the way Megatron-LM sets them.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import zlib
+from dataclasses import dataclass
+from datetime import timedelta
+from functools import partial
+from typing import Dict, Iterator, List, Optional
+
+import torch
+
+try:  # installed layout: the repo-root folder patches/ is the package paci_megatron.patches
+    from paci_megatron.patches import apply_cpu_patches
+except ImportError:  # source checkout with PYTHONPATH=<repo root>
+    from patches import apply_cpu_patches
+
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import Float16Module
+from megatron.core.utils import get_model_config
+
+__all__ = [
+    "GPTSpec",
+    "init_distributed",
+    "destroy_distributed",
+    "build_gpt_model",
+    "build_optimizer",
+    "build_lr_scheduler",
+    "mock_data_iterator",
+    "gpt_forward_step",
+    "stage_info",
+    "set_random_seed",
+    "unwrap_model",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Process groups
+# --------------------------------------------------------------------------------------------
+
+
+def init_distributed(
+    tp: int = 1,
+    pp: int = 1,
+    vpp: Optional[int] = None,
+    backend: Optional[str] = None,
+    timeout_s: float = 120,
+    seed: int = 1234,
+) -> Dict[str, int]:
+    """Initialise torch.distributed from the torchrun environment and Megatron's parallel state.
+
+    Without CUDA, ``apply_cpu_patches()`` runs before the parallel state is built. Seeds follow
+    Megatron-LM (``seed + 100 * pp_rank`` for python/torch and the model-parallel RNG tracker).
+    Returns :func:`stage_info`.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    if vpp is not None and vpp <= 1:
+        vpp = None
+    if tp < 1 or pp < 1 or world_size % (tp * pp) != 0:
+        raise ValueError(
+            f"WORLD_SIZE={world_size} is not divisible by --tensor-model-parallel-size ({tp}) x "
+            f"--pipeline-model-parallel-size ({pp})"
+        )
+    if vpp is not None and pp < 2:
+        raise ValueError("--virtual-pipeline-model-parallel-size needs "
+                         "--pipeline-model-parallel-size >= 2")
+
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        if cuda:
+            torch.cuda.set_device(local_rank)
+        torch.distributed.init_process_group(
+            backend=backend or ("nccl" if cuda else "gloo"),
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    if not cuda:
+        apply_cpu_patches()
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        distributed_timeout_minutes=max(1, int(round(timeout_s / 60.0))),
+    )
+    set_random_seed(seed)
+    return stage_info()
+
+
+def set_random_seed(seed: int) -> None:
+    """Seed python/torch like Megatron-LM: different per pipeline stage, same across DP."""
+    stage_seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(stage_seed)
+    torch.manual_seed(stage_seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
+
+
+def destroy_distributed() -> None:
+    """Tear down Megatron's parallel state and the default process group (safe to call twice)."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def stage_info() -> Dict[str, int]:
+    """This rank's place in the (TP, PP, DP) grid."""
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    return dict(
+        pp_rank=pp_rank,
+        pp_size=pp_size,
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=parallel_state.get_data_parallel_world_size(),
+        is_first=pp_rank == 0,
+        is_last=pp_rank == pp_size - 1,
+    )
+
+
+def _is_gloo() -> bool:
+    return (
+        torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GPTSpec:
+    """Size and options of the GPT model (Megatron-LM flag names in the docstrings of builders)."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    seq_length: int
+    vocab_size: int
+    ffn_hidden_size: Optional[int] = None
+    max_position_embeddings: Optional[int] = None
+    untie_embeddings: bool = False
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    bf16: bool = False
+    normalization: str = "LayerNorm"
+    recompute_granularity: Optional[str] = None
+    recompute_method: Optional[str] = None
+    recompute_num_layers: Optional[int] = None
+    position_embedding_type: str = "learned_absolute"
+
+
+def _check_layer_split(spec: GPTSpec, pp: int, vpp: Optional[int]) -> None:
+    if spec.num_layers % pp != 0:
+        raise ValueError(
+            f"--num-layers ({spec.num_layers}) must be divisible by "
+            f"--pipeline-model-parallel-size ({pp})"
+        )
+    if vpp is not None and spec.num_layers % (pp * vpp) != 0:
+        raise ValueError(
+            f"--num-layers ({spec.num_layers}) must be divisible by "
+            f"--pipeline-model-parallel-size ({pp}) x "
+            f"--virtual-pipeline-model-parallel-size ({vpp})"
+        )
+
+
+def _padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """Round the vocabulary up to a multiple of the TP size (VocabParallelEmbedding needs it)."""
+    return ((vocab_size + tp - 1) // tp) * tp
+
+
+def make_transformer_config(spec: GPTSpec) -> TransformerConfig:
+    """The TransformerConfig for ``spec`` under the current parallel state."""
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    _check_layer_split(spec, pp, vpp)
+    dtype = torch.bfloat16 if spec.bf16 else torch.float32
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        hidden_dropout=spec.hidden_dropout,
+        attention_dropout=spec.attention_dropout,
+        normalization=spec.normalization,
+        recompute_granularity=spec.recompute_granularity,
+        recompute_method=spec.recompute_method,
+        recompute_num_layers=spec.recompute_num_layers,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=spec.bf16,
+        # gloo runs batched p2p as separate ops and mis-pairs them when prev == next rank
+        # (interleaved schedule at PP=2): silently wrong gradients. See CPU_NOTES.md.
+        batch_p2p_comm=not _is_gloo(),
+        # like Megatron-LM's defaults
+        deallocate_pipeline_outputs=True,
+    )
+
+
+def build_gpt_model(
+    spec: GPTSpec,
+    *,
+    ddp: bool = True,
+    overlap_grad_reduce: bool = False,
+    use_distributed_optimizer: bool = False,
+    seed: int = 1234,
+    layout_invariant_init: bool = True,
+) -> List[torch.nn.Module]:
+    """Build this rank's GPT model chunks (one per virtual stage) the way Megatron-LM does.
+
+    Each chunk is a ``GPTModel`` with the local (non-TE) layer spec, wrapped in ``Float16Module``
+    for bf16 and in Megatron's ``DistributedDataParallel`` when ``ddp``. With
+    ``layout_invariant_init`` every weight is re-drawn from a generator seeded by ``seed`` and
+    the parameter's global name (global layer number), so the initial model is the same for any
+    TP/PP/VPP layout. Sets ``no_sync_func``/``grad_sync_func`` (overlap only, like Megatron-LM)
+    and ``finalize_model_grads_func`` on the shared TransformerConfig. With ``ddp=False`` the
+    chunks are bare modules (forward-only use; Megatron's optimizer and finalize need DDP).
+    """
+    config = make_transformer_config(spec)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    vocab = _padded_vocab_size(spec.vocab_size, tp)
+    layer_spec = get_gpt_layer_local_spec(normalization=spec.normalization)
+
+    chunks: List[torch.nn.Module] = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec,
+            vocab_size=vocab,
+            max_sequence_length=spec.max_position_embeddings or spec.seq_length,
+            pre_process=pre,
+            post_process=post,
+            parallel_output=True,
+            share_embeddings_and_output_weights=not spec.untie_embeddings,
+            position_embedding_type=spec.position_embedding_type,
+            vp_stage=stage,
+        )
+        for param in model.parameters():
+            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+        if layout_invariant_init:
+            _layout_invariant_init(model, config, seed)
+        chunks.append(model)
+
+    if torch.cuda.is_available():
+        for model in chunks:
+            model.cuda(torch.cuda.current_device())
+    if spec.bf16:
+        chunks = [Float16Module(config, model) for model in chunks]
+
+    if ddp:
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=spec.bf16,
+            overlap_grad_reduce=overlap_grad_reduce,
+            use_distributed_optimizer=use_distributed_optimizer,
+        )
+        chunks = [
+            DistributedDataParallel(
+                config=config,
+                ddp_config=ddp_config,
+                module=model,
+                # like Megatron-LM: only the first chunk's buffers are bucketed
+                disable_bucketing=i > 0,
+            )
+            for i, model in enumerate(chunks)
+        ]
+        if overlap_grad_reduce:
+            no_sync = [c.no_sync for c in chunks]
+            grad_sync = [c.start_grad_sync for c in chunks]
+            config.no_sync_func = no_sync[0] if len(chunks) == 1 else no_sync
+            config.grad_sync_func = grad_sync[0] if len(chunks) == 1 else grad_sync
+        # DP all-reduce of the grad buffers, tied-embedding all-reduce between first and last
+        # stage, then num_tokens scaling: what keeps tied embeddings equal across stages
+        config.finalize_model_grads_func = finalize_model_grads
+    return chunks
+
+
+def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
+    """Strip DDP / Float16Module wrappers."""
+    while isinstance(module, (DistributedDataParallel, Float16Module)):
+        module = module.module
+    return module
+
+
+def _stable_seed(seed: int, name: str) -> int:
+    return zlib.crc32(f"{seed}/{name}".encode()) & 0x7FFFFFFF
+
+
+def _layout_invariant_init(model: GPTModel, config: TransformerConfig, seed: int) -> None:
+    """Re-draw every matrix weight from a generator keyed by (seed, global parameter name).
+
+    The full (TP-unsharded) tensor is drawn and this rank's TP shard is kept, so the weights do
+    not depend on the TP/PP/VPP layout. Vectors (norms, biases) keep Megatron's constant init.
+    """
+    layer_numbers = {}
+    if getattr(model, "decoder", None) is not None:
+        for i, layer in enumerate(model.decoder.layers):
+            layer_numbers[str(i)] = layer.layer_number - 1  # global, 0-based
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tied = model.share_embeddings_and_output_weights
+
+    for name, param in model.named_parameters():
+        if param.dim() < 2:
+            continue
+        parts = name.split(".")
+        if parts[:2] == ["decoder", "layers"]:
+            parts[2] = str(layer_numbers[parts[2]])
+        global_name = ".".join(parts)
+        if global_name == "output_layer.weight" and tied:
+            global_name = "embedding.word_embeddings.weight"
+
+        if global_name.startswith("embedding."):
+            init = config.embedding_init_method
+        elif global_name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+            init = config.output_layer_init_method
+        else:
+            init = config.init_method
+
+        shape = list(param.shape)
+        tensor_parallel_param = getattr(param, "tensor_model_parallel", False) and tp > 1
+        if tensor_parallel_param:
+            shape[param.partition_dim] *= tp
+        full = torch.empty(shape, dtype=torch.float32)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_stable_seed(seed, global_name))
+            init(full)
+        if tensor_parallel_param:
+            stride = getattr(param, "partition_stride", 1)
+            piece = param.shape[param.partition_dim] // stride
+            pieces = torch.split(full, piece, dim=param.partition_dim)
+            full = torch.cat(pieces[tp_rank::tp], dim=param.partition_dim)
+        with torch.no_grad():
+            param.data.copy_(full)
+
+
+# --------------------------------------------------------------------------------------------
+# Optimizer and LR schedule
+# --------------------------------------------------------------------------------------------
+
+
+def build_optimizer(
+    model_chunks: List[torch.nn.Module],
+    *,
+    lr: float = 1e-3,
+    min_lr: float = 0.0,
+    weight_decay: float = 0.01,
+    adam_beta1: float = 0.9,
+    adam_beta2: float = 0.999,
+    clip_grad: float = 1.0,
+    bf16: bool = False,
+    use_distributed_optimizer: bool = False,
+):
+    """Megatron's Adam via ``get_megatron_optimizer``; also sets ``config.grad_scale_func``."""
+    if get_model_config(model_chunks[0]).bf16 != bf16:
+        raise ValueError(f"build_optimizer(bf16={bf16}) does not match the model "
+                         f"(GPTSpec.bf16={get_model_config(model_chunks[0]).bf16})")
+    ddp_config = getattr(model_chunks[0], "ddp_config", None)
+    if ddp_config is not None and ddp_config.use_distributed_optimizer != use_distributed_optimizer:
+        raise ValueError(
+            "use_distributed_optimizer must match the one given to build_gpt_model "
+            f"({ddp_config.use_distributed_optimizer})"
+        )
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=lr,
+        min_lr=min_lr,
+        weight_decay=weight_decay,
+        adam_beta1=adam_beta1,
+        adam_beta2=adam_beta2,
+        clip_grad=clip_grad,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(opt_config, model_chunks)
+    get_model_config(model_chunks[0]).grad_scale_func = optimizer.scale_loss
+    return optimizer
+
+
+def build_lr_scheduler(
+    optimizer,
+    *,
+    lr: float,
+    min_lr: float = 0.0,
+    warmup_steps: int = 0,
+    decay_steps: int = 1,
+    decay_style: str = "cosine",
+) -> OptimizerParamScheduler:
+    """Megatron's ``OptimizerParamScheduler``: linear warmup to ``lr`` then ``decay_style``."""
+    wd = optimizer.config.weight_decay if hasattr(optimizer, "config") else 0.0
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=lr,
+        min_lr=min_lr,
+        lr_warmup_steps=warmup_steps,
+        lr_decay_steps=max(decay_steps, warmup_steps + 1),
+        lr_decay_style=decay_style,
+        start_wd=wd,
+        end_wd=wd,
+        wd_incr_steps=max(decay_steps, 1),
+        wd_incr_style="constant",
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Data and forward step
+# --------------------------------------------------------------------------------------------
+
+
+def mock_data_iterator(spec: GPTSpec, micro_batch_size: int, seed: int = 1234) -> Iterator[dict]:
+    """Infinite, deterministic, learnable token stream (pure torch, CPU tensors).
+
+    Each sequence starts at a random token and follows a fixed random permutation of the
+    vocabulary (``next = perm[cur]``), so a model can learn it. The permutation depends on
+    ``seed`` only; the start tokens on ``seed`` and the data-parallel rank, so all ranks of a DP
+    replica (TP and PP ranks) see the same batches and different replicas different ones.
+    """
+    dp_rank = 0
+    if parallel_state.model_parallel_is_initialized():
+        dp_rank = parallel_state.get_data_parallel_rank()
+    vocab, seq = spec.vocab_size, spec.seq_length
+    perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
+    gen = torch.Generator().manual_seed(_stable_seed(seed, f"data/dp{dp_rank}"))
+    position_ids = torch.arange(seq, dtype=torch.long).unsqueeze(0).expand(micro_batch_size, -1)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    while True:
+        rows = torch.empty(micro_batch_size, seq + 1, dtype=torch.long)
+        rows[:, 0] = torch.randint(0, vocab, (micro_batch_size,), generator=gen)
+        for t in range(seq):
+            rows[:, t + 1] = perm[rows[:, t]]
+        yield {
+            "tokens": rows[:, :-1].contiguous().to(device),
+            "labels": rows[:, 1:].contiguous().to(device),
+            "loss_mask": torch.ones(micro_batch_size, seq, dtype=torch.float, device=device),
+            "attention_mask": None,
+            "position_ids": position_ids.contiguous().to(device),
+        }
+
+
+def _lm_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Mean token loss of one micro-batch; the logged value is averaged over DP replicas."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask) / mask.sum()
+    reported = loss.detach().clone()
+    if parallel_state.get_data_parallel_world_size() > 1:
+        torch.distributed.all_reduce(reported, group=parallel_state.get_data_parallel_group())
+        reported /= parallel_state.get_data_parallel_world_size()
+    return loss, {"lm loss": reported}
+
+
+def gpt_forward_step(data_iterator, model):
+    """Megatron-style ``forward_step_func``: returns ``(output, partial(loss_fn, loss_mask))``.
+
+    Reads exactly one batch per call on the first and last pipeline stages (all their virtual
+    chunks, like Megatron-LM's ``get_batch``) and none on middle stages.
+    """
+    reads = parallel_state.is_pipeline_first_stage(ignore_virtual=True) or (
+        parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    )
+    if reads:
+        batch = next(data_iterator)
+        tokens, labels = batch["tokens"], batch["labels"]
+        loss_mask, position_ids = batch["loss_mask"], batch["position_ids"]
+        attention_mask = batch.get("attention_mask")
+    else:
+        tokens = labels = loss_mask = position_ids = attention_mask = None
+    output = model(tokens, position_ids, attention_mask, labels=labels)
+    return output, partial(_lm_loss, loss_mask)

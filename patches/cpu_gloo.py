@@ -1,0 +1,376 @@
+"""Runtime patches that let stock Megatron-Core 0.16.1 run on CPU with the gloo backend.
+
+Megatron-Core assumes CUDA in a few dozen places (``torch.cuda.current_device()``, literal
+``device="cuda"``, the CUDA RNG, ``Tensor.cuda()``, ``param.type() == 'torch.cuda.FloatTensor'``).
+Each patch below fixes one of them, as narrowly as possible:
+
+* module-level references are redirected (a module's global ``torch`` is replaced by a
+  :class:`_CpuTorch` stand-in that maps ``"cuda"`` devices to the CPU and makes
+  ``torch.cuda.current_device``/``synchronize`` CPU-safe) so the hot paths pay nothing;
+* a ``TorchFunctionMode`` (:class:`_CudaAsCpuMode`) is used only around calls that run once
+  (model/optimizer construction) or that check tensor types (gradient clipping).
+
+``apply_cpu_patches()`` is idempotent and does nothing when CUDA is available. Nothing here
+copies Megatron code: patches wrap or re-point Megatron's own functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import importlib.util
+import os
+import sys
+import types
+from typing import Callable, Dict, Iterable, List, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+SUPPORTED_MCORE_VERSIONS = ("0.16.1",)
+
+__all__ = [
+    "SUPPORTED_MCORE_VERSIONS",
+    "UnsupportedMegatronVersion",
+    "installed_megatron_core_version",
+    "check_megatron_core_version",
+    "apply_cpu_patches",
+    "applied_cpu_patches",
+    "CPU_PATCHES",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Version guard
+# --------------------------------------------------------------------------------------------
+
+
+class UnsupportedMegatronVersion(RuntimeError):
+    """The installed megatron-core is not one these patches were written and tested against."""
+
+
+def installed_megatron_core_version() -> Optional[str]:
+    """``megatron.core.package_info.__version__`` without importing ``megatron.core`` itself.
+
+    Returns None when megatron-core is not installed.
+    """
+    loaded = sys.modules.get("megatron.core.package_info")
+    if loaded is not None:
+        return loaded.__version__
+    spec = importlib.util.find_spec("megatron")  # a namespace package: importing it is free
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for root in spec.submodule_search_locations:
+        path = os.path.join(root, "core", "package_info.py")
+        if os.path.isfile(path):
+            file_spec = importlib.util.spec_from_file_location("_paci_mcore_package_info", path)
+            module = importlib.util.module_from_spec(file_spec)
+            file_spec.loader.exec_module(module)  # plain constants, no imports
+            return module.__version__
+    return None
+
+
+def check_megatron_core_version() -> str:
+    """Raise :class:`UnsupportedMegatronVersion` unless megatron-core is a supported version."""
+    version = installed_megatron_core_version()
+    if version not in SUPPORTED_MCORE_VERSIONS:
+        found = "not installed" if version is None else f"version {version} is installed"
+        raise UnsupportedMegatronVersion(
+            f"paci_megatron patches support megatron-core "
+            f"{', '.join(SUPPORTED_MCORE_VERSIONS)} only, but megatron-core {found}. "
+            f"Install a supported one (pip install megatron-core=={SUPPORTED_MCORE_VERSIONS[-1]})."
+        )
+    return version
+
+
+# --------------------------------------------------------------------------------------------
+# Tools: a per-module `torch` stand-in, and a scoped TorchFunctionMode
+# --------------------------------------------------------------------------------------------
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return False
+
+
+def _cpu_factory(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def factory(*args, **kwargs):
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return fn(*args, **kwargs)
+
+    return factory
+
+
+class _CpuCuda:
+    """Stands in for ``torch.cuda`` inside one module: CPU-safe current_device/synchronize."""
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device():
+        return torch.device("cpu")
+
+    @staticmethod
+    def synchronize(device=None):
+        return None
+
+
+class _CpuTorch(types.ModuleType):
+    """Stands in for the ``torch`` module inside one Megatron module (see ``_redirect_torch``).
+
+    A module object (not a plain instance) so that torch.compile'd functions of that module
+    still trace it like ``torch`` itself."""
+
+    _FACTORIES = ("zeros", "ones", "empty", "full", "tensor")
+
+    _paci_cpu_torch = True  # marker (checked by name: this file may be loaded twice)
+
+    def __init__(self):
+        super().__init__("torch")
+        self.cuda = _CpuCuda()
+        for name in self._FACTORIES:
+            setattr(self, name, _cpu_factory(getattr(torch, name)))
+
+    def __getattr__(self, name):
+        value = getattr(torch, name)
+        setattr(self, name, value)  # cache: later lookups are plain attribute hits
+        return value
+
+
+def _redirect_torch(module_name: str) -> bool:
+    """Point ``module_name``'s global ``torch`` at a :class:`_CpuTorch`; False if already done."""
+    module = importlib.import_module(module_name)
+    if getattr(module.torch, "_paci_cpu_torch", False):
+        return False
+    module.torch = _CpuTorch()
+    return True
+
+
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+}
+
+
+class _CudaAsCpuMode(TorchFunctionMode):
+    """While active: ``device='cuda'`` means CPU, ``Tensor.cuda()`` is a no-op and
+    ``Tensor.type()`` reports the CUDA type name. Only used around rarely-called functions."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = _CUDA_TYPE_NAMES.get(args[0].dtype)
+            if name is not None and args[0].device.type == "cpu":
+                return name
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+def _run_as_cpu(fn: Callable) -> Callable:
+    """Wrap ``fn`` so that it runs under :class:`_CudaAsCpuMode`."""
+    if getattr(fn, "_paci_cpu_wrapped", False):
+        return fn
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _CudaAsCpuMode():
+            return fn(*args, **kwargs)
+
+    wrapper._paci_cpu_wrapped = True
+    return wrapper
+
+
+# --------------------------------------------------------------------------------------------
+# The patches
+# --------------------------------------------------------------------------------------------
+
+
+def patch_p2p_communication():
+    """p2p_communication.py: buffers on torch.cuda.current_device(); torch.cuda.synchronize()."""
+    return _redirect_torch("megatron.core.pipeline_parallel.p2p_communication")
+
+
+def patch_schedules_token_count():
+    """schedules.py: all three schedules allocate total_num_tokens with device="cuda"."""
+    return _redirect_torch("megatron.core.pipeline_parallel.schedules")
+
+
+def patch_ddp_buffers():
+    """param_and_grad_buffer.py: DDP grad/param buffers on torch.cuda.current_device()."""
+    return _redirect_torch("megatron.core.distributed.param_and_grad_buffer")
+
+
+def patch_causal_mask():
+    """transformer/utils.py: get_default_causal_mask (attention_mask=None) uses device="cuda"."""
+    return _redirect_torch("megatron.core.transformer.utils")
+
+
+def patch_global_memory_buffer():
+    """core/utils.py: GlobalMemoryBuffer (attention scores) on torch.cuda.current_device()."""
+    return _redirect_torch("megatron.core.utils")
+
+
+def patch_rotary_embedding():
+    """rotary_pos_embedding.py: RoPE moves inv_freq to torch.cuda.current_device() on first use."""
+    return _redirect_torch("megatron.core.models.common.embeddings.rotary_pos_embedding")
+
+
+def patch_rng_tracker():
+    """tensor_parallel/random.py: RNG tracker add/fork and recompute's RNG replay use CUDA RNG."""
+    from megatron.core.tensor_parallel import random as mp_random
+
+    if getattr(mp_random, "_paci_cpu_rng", False):
+        return False
+    base = mp_random.CudaRNGStatesTracker
+    mp_random.CudaRNGStatesTracker = _make_cpu_rng_tracker(base)
+    mp_random._get_cuda_rng_state = _get_cpu_rng_state
+    mp_random._set_cuda_rng_state = _set_cpu_rng_state
+    # a tracker created before the patch holds (or would add) CUDA states: recreate it lazily
+    if mp_random._CUDA_RNG_STATE_TRACKER is not None:
+        mp_random._CUDA_RNG_STATE_TRACKER = None
+        mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+    mp_random._paci_cpu_rng = True
+    return True
+
+
+def _get_cpu_rng_state(device=None, clone=False, graph_safe=False):
+    """CPU replacement for random._get_cuda_rng_state (already a copy)."""
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(new_state, device=None, graph_safe=False):
+    """CPU replacement for random._set_cuda_rng_state."""
+    torch.set_rng_state(new_state)
+
+
+def _make_cpu_rng_tracker(base):
+    """A subclass of Megatron's tracker whose named states are CPU generator states."""
+
+    class CpuRNGStatesTracker(base):
+        """Megatron's RNG tracker on the CPU default generator (the 'default-rng' state)."""
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            self.seeds_.add(seed)
+            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name="model-parallel-rng"):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            outer_name = self._current_state_name
+            outer_state = torch.get_rng_state()
+            if outer_name != "default-rng":
+                self.states_[outer_name] = outer_state
+            torch.set_rng_state(self.states_[name])
+            self._current_state_name = name
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                if outer_name != "default-rng":
+                    outer_state = self.states_[outer_name]
+                torch.set_rng_state(outer_state)
+                self._current_state_name = outer_name
+
+    return CpuRNGStatesTracker
+
+
+def patch_tied_embeddings():
+    """language_module.py: setup_embeddings_and_output_layer: weight.data.cuda() (tied, PP>1)."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    fn = LanguageModule.setup_embeddings_and_output_layer
+    if getattr(fn, "_paci_cpu_wrapped", False):
+        return False
+    LanguageModule.setup_embeddings_and_output_layer = _run_as_cpu(fn)
+    return True
+
+
+def patch_optimizer_construction():
+    """optimizer/*.py: optimizer __init__s use device="cuda", assert type() 'torch.cuda.*'."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
+
+    changed = False
+    for cls in (FP32Optimizer, Float16OptimizerWithFloat16Params, DistributedOptimizer):
+        init = cls.__dict__["__init__"]
+        if not getattr(init, "_paci_cpu_wrapped", False):
+            cls.__init__ = _run_as_cpu(init)  # runs once per optimizer: the mode costs nothing
+            changed = True
+    return changed
+
+
+def patch_clip_grads():
+    """clip_grads.py: buffers on device='cuda'; clip_grad_by_total_norm_fp32 asserts cuda type."""
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mcore_opt
+
+    changed = _redirect_torch("megatron.core.optimizer.clip_grads")
+    fn = clip_grads.clip_grad_by_total_norm_fp32
+    if not getattr(fn, "_paci_cpu_wrapped", False):
+        wrapped = _run_as_cpu(fn)
+        clip_grads.clip_grad_by_total_norm_fp32 = wrapped
+        mcore_opt.clip_grad_by_total_norm_fp32 = wrapped
+        changed = True
+    return changed
+
+
+# Registry, in application order: name -> function. Each returns True if it changed something.
+CPU_PATCHES: Dict[str, Callable[[], bool]] = {
+    "p2p_communication": patch_p2p_communication,
+    "schedules_token_count": patch_schedules_token_count,
+    "ddp_buffers": patch_ddp_buffers,
+    "causal_mask": patch_causal_mask,
+    "global_memory_buffer": patch_global_memory_buffer,
+    "rotary_embedding": patch_rotary_embedding,
+    "rng_tracker": patch_rng_tracker,
+    "tied_embeddings": patch_tied_embeddings,
+    "optimizer_construction": patch_optimizer_construction,
+    "clip_grads": patch_clip_grads,
+}
+
+_APPLIED: List[str] = []
+
+
+def applied_cpu_patches() -> List[str]:
+    """Names of the patches applied so far in this process."""
+    return list(_APPLIED)
+
+
+def apply_cpu_patches(exclude: Iterable[str] = ()) -> List[str]:
+    """Patch Megatron-Core for CPU/gloo; idempotent; a no-op when CUDA is available.
+
+    Returns the names of all CPU patches in effect (empty with CUDA). ``exclude`` leaves named
+    patches out (for checking that each one is needed).
+    """
+    if torch.cuda.is_available():
+        return []
+    check_megatron_core_version()
+    excluded = set(exclude)
+    # debugging aid: PACI_SKIP_CPU_PATCHES=a,b leaves patches out (to show that each is needed)
+    excluded |= {n for n in os.environ.get("PACI_SKIP_CPU_PATCHES", "").split(",") if n}
+    unknown = excluded - set(CPU_PATCHES)
+    if unknown:
+        raise ValueError(f"unknown CPU patches {sorted(unknown)}; known: {list(CPU_PATCHES)}")
+    for name, patch in CPU_PATCHES.items():
+        if name in excluded or name in _APPLIED:
+            continue
+        patch()
+        _APPLIED.append(name)
+    return applied_cpu_patches()

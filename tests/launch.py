@@ -1,0 +1,68 @@
+"""Helpers to launch multi-process workers under torchrun from pytest."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from typing import Dict, List, Optional, Sequence, Tuple
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+
+
+def _tail(text: str, limit: int = 6000) -> str:
+    return text if len(text) <= limit else "...\n" + text[-limit:]
+
+
+def run_torchrun(
+    script: str,
+    args: Sequence[str] = (),
+    nproc: int = 1,
+    timeout: float = 120,
+    env: Optional[Dict[str, str]] = None,
+    check: bool = True,
+) -> Tuple[int, str, str]:
+    """Run ``torchrun --standalone --nproc-per-node nproc script args`` from the repo root.
+
+    ``--standalone`` picks a free rendezvous port, so launches never collide. Returns
+    ``(returncode, stdout, stderr)``. On a timeout the whole process group is killed and an
+    AssertionError carrying the output is raised; so is one on a non-zero exit when ``check``.
+    """
+    script_path = script if os.path.isabs(script) else os.path.join(REPO, script)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", script_path, *map(str, args)]
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (REPO, full_env.get("PYTHONPATH", "")) if p)
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env["PYTHONUNBUFFERED"] = "1"
+    if env:
+        full_env.update(env)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: our own session
+        out, err = proc.communicate()
+        raise AssertionError(
+            f"timed out after {timeout}s (hang?): {' '.join(cmd)}\n"
+            f"--- stdout ---\n{_tail(out)}\n--- stderr ---\n{_tail(err)}"
+        ) from None
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"exit code {proc.returncode}: {' '.join(cmd)}\n"
+            f"--- stdout ---\n{_tail(out)}\n--- stderr ---\n{_tail(err)}"
+        )
+    return proc.returncode, out, err
+
+
+def parse_results(stdout: str, prefix: str = "RESULT ") -> List[dict]:
+    """The JSON objects printed by a worker as lines ``<prefix>{json}``."""
+    return [json.loads(line[len(prefix):]) for line in stdout.splitlines()
+            if line.startswith(prefix)]
+
+
+def results_by_case(stdout: str) -> Dict[str, dict]:
+    """``parse_results`` keyed by each result's ``case``."""
+    return {r["case"]: r for r in parse_results(stdout)}
