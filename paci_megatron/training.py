@@ -64,6 +64,8 @@ def train(args, opts: ScheduleOptions) -> Dict:
         data = [data] * len(model)
     reporter = info["is_last"] and info["tp_rank"] == 0 and info["dp_rank"] == 0
     if reporter:
+        fb_name = getattr(forward_backward, "__qualname__", repr(forward_backward))
+        _log(f"> forward-backward function: {getattr(forward_backward, '__module__', '')}.{fb_name}")
         _log(f"> schedule {args.pipeline_schedule}: P={info['pp_size']} TP={info['tp_size']} "
              f"DP={info['dp_size']} micro-batches/iteration={args.num_microbatches} "
              f"a={opts.accumulation}")
@@ -105,7 +107,7 @@ def train(args, opts: ScheduleOptions) -> Dict:
         drift = mcore_runtime.gather_across_pipeline(runtime.drift_summary())
         summary["drift"] = drift
         if reporter:
-            _log(f"> drained: dropped {dropped} in-flight forwards at the last stage")
+            _log(f"> drained the pipeline (this stage dropped {dropped} in-flight forwards)")
             for row in drift:
                 _log(f"> stage {row['stage']}: max drift {row['max']} (bound {row['bound']}), "
                      f"histogram {row['histogram']}, local steps {row['steps']}")

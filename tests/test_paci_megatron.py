@@ -119,3 +119,12 @@ def test_paci_runs_with_data_or_tensor_parallel_stages(layout, four_ranks):
             assert len(r["losses"]) == 20 and all(0 < x < 10 for x in r["losses"])
     dims = {(r["info"]["tp_size"], r["info"]["dp_size"]) for r in ranks}
     assert dims == ({(1, 2)} if layout == "layout_tp1_pp2" else {(2, 1)})
+
+
+@pytest.mark.slow
+def test_paci_drift_equals_bound_at_p8(tmp_path_factory):
+    """Eight stages on a real GPT (eight processes; about 40 s on 2 cores): run with -m slow."""
+    load = _launch(tmp_path_factory, "p8", 8, ["paci_drift_p8"], timeout=600)
+    rows = _drift_rows(load, "paci_drift_p8")
+    for a in (1, 2, 4, 8):
+        assert [row[str(a)]["max"] for row in rows] == [-(-(7 - s) // a) for s in range(8)]

@@ -23,7 +23,8 @@ from paci_megatron.schedule import drift_bound
 MBS = 2
 
 
-def setup(tp=1, pp=1, seed=1234, layers=4, lr=2e-3, clip_grad=1.0):
+def setup(tp=1, pp=1, seed=1234, layers=None, lr=2e-3, clip_grad=1.0):
+    layers = layers or max(4, pp)
     info = build.init_distributed(tp=tp, pp=pp, seed=seed, timeout_s=90)
     spec = build.GPTSpec(num_layers=layers, hidden_size=32, num_attention_heads=4, seq_length=16,
                          vocab_size=128, untie_embeddings=True)
@@ -224,6 +225,7 @@ CASES = {
     "flush_equals_stock_p4": lambda d: case_flush_equals_stock(4, d),
     "paci_drift_p2": lambda d: case_paci_drift(2, d, accumulations=(1, 2)),
     "paci_drift_p4": lambda d: case_paci_drift(4, d),
+    "paci_drift_p8": lambda d: case_paci_drift(8, d, accumulations=(1, 2, 4, 8)),
     "p1_equals_accumulation": case_p1_equals_accumulation,
     "layout_tp1_pp2": lambda d: case_layout(1, 2, d),
     "layout_tp2_pp2": lambda d: case_layout(2, 2, d),
