@@ -15,10 +15,9 @@ from paci_megatron.arguments import parse_and_validate
 
 def main(argv=None) -> int:
     args, opts = parse_and_validate(argv)
-    from paci_megatron.training import train  # imports Megatron: after the flags are checked
+    from paci_megatron.training import run  # imports Megatron: after the flags are checked
 
-    train(args, opts)
-    return 0
+    return run(args, opts)
 
 
 if __name__ == "__main__":

@@ -18,10 +18,12 @@ setup(
         "numpy",
         "packaging",
         "psutil",  # megatron's dist_checkpointing writer dies without it (see CPU notes)
+        "sentencepiece",  # tokenizer for real data (preprocess_data, --tokenizer-model)
     ],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout", "sentencepiece"],
+        "test": ["pytest>=7", "pytest-timeout", "sentencepiece", "tensorboard"],
         "data": ["sentencepiece"],
+        "tensorboard": ["tensorboard"],
         # Transformer Engine and Apex need CUDA; used only when importable
     },
 )

@@ -52,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seq-length", type=_positive("--seq-length"), default=32)
     g.add_argument("--max-position-embeddings", type=_positive("--max-position-embeddings"),
                    default=None)
-    g.add_argument("--vocab-size", type=_positive("--vocab-size"), default=256)
+    g.add_argument("--vocab-size", type=_positive("--vocab-size"), default=None,
+                   help="mock data: token ids 0..N-1 (default 256); with --tokenizer-model: "
+                        "taken from the model")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--hidden-dropout", type=_non_negative_float("--hidden-dropout"), default=0.0)
@@ -86,9 +88,34 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--seed", type=int, default=1234)
-    g = p.add_argument_group("data and logging")
-    g.add_argument("--mock-data", action="store_true", help="synthetic tokens (the default)")
+    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
+                   help="transformer_engine only where Transformer Engine is importable")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
+    g.add_argument("--recompute-num-layers", type=_positive("--recompute-num-layers"),
+                   default=None)
+    g = p.add_argument_group("data")
+    g.add_argument("--mock-data", action="store_true",
+                   help="synthetic tokens (the default when no --data-path is given)")
+    g.add_argument("--data-path", default=None,
+                   help="prefix of a Megatron indexed dataset (PREFIX.bin / PREFIX.idx)")
+    g.add_argument("--split", default="969,30,1", help="train,valid,test weights")
+    g.add_argument("--tokenizer-type", default=None,
+                   choices=["SentencePieceTokenizer", "NullTokenizer"])
+    g.add_argument("--tokenizer-model", default=None)
+    g = p.add_argument_group("evaluation, checkpoints and logging")
+    g.add_argument("--eval-interval", type=_positive("--eval-interval"), default=None)
+    g.add_argument("--eval-iters", type=_positive("--eval-iters"), default=2)
+    g.add_argument("--save", default=None, help="checkpoint directory to write")
+    g.add_argument("--load", default=None, help="checkpoint directory to resume from")
+    g.add_argument("--save-interval", type=_positive("--save-interval"), default=None)
+    g.add_argument("--exit-interval", type=_positive("--exit-interval"), default=None,
+                   help="stop (evaluate, save with --save) when the iteration is a multiple "
+                        "of this; resume with --load and the same --train-iters")
     g.add_argument("--log-interval", type=_positive("--log-interval"), default=1)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--metrics-file", default=None,
+                   help="append one JSON object per logged iteration (and a final one)")
     g = p.add_argument_group("pipeline schedule")
     g.add_argument("--pipeline-schedule", default="paci",
                    help=f"one of {SCHEDULES.names()} (default: paci)")
@@ -97,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "global batch)")
     g.add_argument("--paci-max-drift", type=int, default=None,
                    help="largest tolerated drift; default: the bound ceil((P-1-s)/a)")
+    g.add_argument("--paci-on-nonfinite", choices=["skip", "abort"], default="skip",
+                   help="a NaN/Inf gradient at a stage's step: skip that update (and count it) "
+                        "or stop the job")
     return p
 
 
@@ -153,6 +183,7 @@ def validate(args: argparse.Namespace, world_size: int) -> ScheduleOptions:
     if args.fp16:
         raise ConfigError("--fp16 is not supported by this entry point (dynamic loss scaling "
                           "is untested here); use --bf16 or fp32")
+    _validate_data_and_outputs(args)
     if args.lr_warmup_iters < 0:
         raise ConfigError(f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
     if args.min_lr > args.lr:
@@ -167,6 +198,7 @@ def validate(args: argparse.Namespace, world_size: int) -> ScheduleOptions:
         pipeline_size=pp, virtual_size=vpp, num_microbatches=num_mb,
         accumulation=args.paci_accumulation_factor, max_drift=args.paci_max_drift,
         micro_batch_size=args.micro_batch_size, data_parallel_size=dp,
+        on_nonfinite=args.paci_on_nonfinite,
     )
     try:
         entry.check(opts)
@@ -178,6 +210,50 @@ def validate(args: argparse.Namespace, world_size: int) -> ScheduleOptions:
             "gradient between the first and last stage at every step, which stalls the "
             "asynchronous pipeline; add --untie-embeddings-and-output-weights")
     return opts
+
+
+def _validate_data_and_outputs(args) -> None:
+    if args.data_path is not None and args.mock_data:
+        raise ConfigError("--mock-data and --data-path are exclusive; drop one")
+    if args.data_path is not None:
+        if args.tokenizer_type is None:
+            args.tokenizer_type = "SentencePieceTokenizer"
+        if args.tokenizer_type == "SentencePieceTokenizer":
+            if not args.tokenizer_model:
+                raise ConfigError("--data-path with SentencePieceTokenizer needs "
+                                  "--tokenizer-model (the .model file preprocess_data wrote)")
+            if not os.path.isfile(args.tokenizer_model):
+                raise ConfigError(f"--tokenizer-model {args.tokenizer_model}: no such file; "
+                                  "run python -m paci_megatron.preprocess_data first")
+        for ext in (".bin", ".idx"):
+            if not os.path.isfile(args.data_path + ext):
+                raise ConfigError(f"--data-path {args.data_path}: {args.data_path + ext} does "
+                                  "not exist (give the prefix without .bin/.idx)")
+    try:
+        weights = [float(x) for x in args.split.split(",")]
+    except ValueError:
+        raise ConfigError(f"--split {args.split!r} must be comma-separated numbers, e.g. 969,30,1")
+    if len(weights) != 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ConfigError(f"--split {args.split!r} needs three non-negative weights, e.g. 969,30,1")
+    if args.eval_interval is not None and weights[1] == 0 and args.data_path is not None:
+        raise ConfigError("--eval-interval needs a validation share in --split (the 2nd weight)")
+    if args.save_interval is not None and not args.save:
+        raise ConfigError("--save-interval needs --save DIR")
+    if args.load is not None and not os.path.isdir(args.load):
+        raise ConfigError(f"--load {args.load}: no such directory")
+    if args.transformer_impl == "transformer_engine":
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError:
+            raise ConfigError("--transformer-impl transformer_engine: Transformer Engine is not "
+                              "importable here; use --transformer-impl local") from None
+    if args.recompute_granularity == "full" and args.recompute_method is None:
+        raise ConfigError("--recompute-granularity full needs --recompute-method "
+                          "{uniform,block} (and --recompute-num-layers)")
+    if args.recompute_method is not None and args.recompute_granularity != "full":
+        raise ConfigError("--recompute-method needs --recompute-granularity full")
+    if args.recompute_granularity == "full" and args.recompute_num_layers is None:
+        args.recompute_num_layers = 1
 
 
 def parse_and_validate(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None):

@@ -48,8 +48,8 @@ class DriftStats:
     version: int = 0
     fwd_version: Dict[int, int] = field(default_factory=dict)
     histogram: Counter = field(default_factory=Counter)
-    log: List[tuple] = field(default_factory=list)  # (mb, fwd_version, bwd_version)
-    keep_log: bool = False
+    # (mb, fwd_version, bwd_version) of the most recent backwards
+    log: Deque[tuple] = field(default_factory=lambda: deque(maxlen=4096))
 
     def on_forward(self, mb: int) -> None:
         self.fwd_version[mb] = self.version
@@ -60,8 +60,7 @@ class DriftStats:
         if self.bound is not None and drift > self.bound:
             raise DriftBoundExceeded(self.stage, mb, fwd, self.version, self.bound)
         self.histogram[drift] += 1
-        if self.keep_log:
-            self.log.append((mb, fwd, self.version))
+        self.log.append((mb, fwd, self.version))
 
     def on_step(self) -> None:
         self.version += 1

@@ -20,6 +20,7 @@ class ScheduleOptions:
     max_drift: Optional[int] = None
     micro_batch_size: int = 1
     data_parallel_size: int = 1
+    on_nonfinite: str = "skip"
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,8 @@ def _check_paci(opts: ScheduleOptions) -> None:
 def _make_paci(opts: ScheduleOptions):
     from .mcore.runtime import PaciRuntime
 
-    return PaciRuntime(accumulation=opts.accumulation, max_drift=opts.max_drift)
+    return PaciRuntime(accumulation=opts.accumulation, max_drift=opts.max_drift,
+                       on_nonfinite=opts.on_nonfinite)
 
 
 def default_registry() -> ScheduleRegistry:

@@ -9,11 +9,13 @@ so the loop only calls the forward-backward function.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
-from typing import Dict, List, Optional
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
 
-from .mcore import build
+from .mcore import build, checkpoint
 from .mcore import runtime as mcore_runtime
 from .registry import SCHEDULES, ScheduleOptions
 
@@ -27,19 +29,95 @@ def _mean_loss(losses: List[dict]) -> Optional[float]:
     return sum(values) / len(values) if values else None
 
 
-def train(args, opts: ScheduleOptions) -> Dict:
-    info = build.init_distributed(
-        tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-        vpp=args.virtual_pipeline_model_parallel_size, backend=args.distributed_backend,
-        timeout_s=args.distributed_timeout_minutes * 60, seed=args.seed)
-    spec = build.GPTSpec(
+@dataclass
+class Job:
+    """Everything one rank needs to train, built once from the flags."""
+
+    args: Any
+    opts: ScheduleOptions
+    info: Dict
+    spec: Any
+    model: List
+    optimizer: Any
+    lr_scheduler: Any
+    runtime: Optional[Any]
+    forward_backward: Any
+    datasets: Any
+    reporter: bool
+    consumed: int = 0
+    iteration: int = 0
+    history: List[Optional[float]] = field(default_factory=list)
+    train_data: Any = None
+    metrics: Any = None
+    tensorboard: Any = None
+    uninstall: Any = None  # restores Megatron's own get_forward_backward_func
+    last_eval: Optional[tuple] = None  # (iteration, validation loss)
+
+
+def _gpt_spec(args):
+    return build.GPTSpec(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
         vocab_size=args.vocab_size, ffn_hidden_size=args.ffn_hidden_size,
         max_position_embeddings=args.max_position_embeddings,
         untie_embeddings=args.untie_embeddings_and_output_weights,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        bf16=args.bf16, normalization=args.normalization)
+        bf16=args.bf16, normalization=args.normalization,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
+        transformer_impl=args.transformer_impl)
+
+
+def preflight(args):
+    """Checks that need files but no process group: tokenizer, dataset, checkpoint. Raises
+    ConfigError (the flag and the fix) so that a bad input fails before training starts."""
+    from .arguments import ConfigError
+    from .mcore import data
+
+    kind = args.tokenizer_type or "NullTokenizer"
+    vocab = args.vocab_size if kind != "NullTokenizer" else (args.vocab_size or 256)
+    try:
+        tokenizer = data.build_tokenizer(kind, args.tokenizer_model, vocab_size=vocab)
+        if args.data_path is not None:
+            data.check_indexed_dataset(args.data_path)
+        if args.load:
+            checkpoint.find_checkpoint(args.load)
+    except ValueError as exc:  # CheckpointError is one too
+        raise ConfigError(str(exc)) from None
+    args.vocab_size = tokenizer.vocab_size  # NullTokenizer adds its end-of-document id
+    return tokenizer
+
+
+def _datasets(args, tokenizer):
+    from .mcore import data
+
+    gbs = args.global_batch_size
+    evals = (args.train_iters // args.eval_interval + 1) if args.eval_interval else 1
+    return data.build_gpt_datasets(
+        args.data_path, args.split, args.seq_length, args.seed, tokenizer,
+        train_samples=args.train_iters * gbs,
+        valid_samples=max(1, args.eval_iters * gbs * evals), test_samples=gbs,
+        mock=args.data_path is None)
+
+
+def _batches(job: Job, dataset, start: int):
+    from .mcore import data
+
+    if not (job.info["is_first"] or job.info["is_last"]):
+        return None
+    it = data.gpt_batches(dataset, job.args.micro_batch_size, start_sample=start,
+                          dp_rank=job.info["dp_rank"], dp_size=job.info["dp_size"])
+    return [it] * len(job.model) if len(job.model) > 1 else it
+
+
+def setup(args, opts: ScheduleOptions) -> Job:
+    tokenizer = preflight(args)
+    info = build.init_distributed(
+        tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+        vpp=args.virtual_pipeline_model_parallel_size, backend=args.distributed_backend,
+        timeout_s=args.distributed_timeout_minutes * 60, seed=args.seed)
+    datasets = _datasets(args, tokenizer)
+    spec = _gpt_spec(args)
     model = build.build_gpt_model(spec, seed=args.seed)
     optimizer = build.build_optimizer(
         model, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
@@ -49,71 +127,220 @@ def train(args, opts: ScheduleOptions) -> Dict:
     lr_scheduler = build.build_lr_scheduler(
         optimizer, lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_iters * gbs,
         decay_steps=args.train_iters * gbs, decay_style=args.lr_decay_style)
-
     runtime = SCHEDULES.get(args.pipeline_schedule).make(opts)
     uninstall = None
     if runtime is not None:
         runtime.bind(optimizer, lr_scheduler,
                      lr_increment=opts.accumulation * opts.micro_batch_size * opts.data_parallel_size)
         uninstall = mcore_runtime.install_schedule(runtime.forward_backward)
-    forward_backward = mcore_runtime.get_forward_backward_func()
-
-    reads_data = info["is_first"] or info["is_last"]
-    data = build.mock_data_iterator(spec, args.micro_batch_size, args.seed) if reads_data else None
-    if isinstance(model, list) and len(model) > 1:
-        data = [data] * len(model)
     reporter = info["is_last"] and info["tp_rank"] == 0 and info["dp_rank"] == 0
-    if reporter:
-        fb_name = getattr(forward_backward, "__qualname__", repr(forward_backward))
-        _log(f"> forward-backward function: {getattr(forward_backward, '__module__', '')}.{fb_name}")
-        _log(f"> schedule {args.pipeline_schedule}: P={info['pp_size']} TP={info['tp_size']} "
-             f"DP={info['dp_size']} micro-batches/iteration={args.num_microbatches} "
-             f"a={opts.accumulation}")
-    history = []
-    consumed = 0
-    t_last = time.perf_counter()
-    for iteration in range(1, args.train_iters + 1):
-        if runtime is None:
-            for chunk in model:
-                chunk.zero_grad_buffer()
-            optimizer.zero_grad()
-        losses = forward_backward(
-            forward_step_func=build.gpt_forward_step, data_iterator=data, model=model,
-            num_microbatches=args.num_microbatches, seq_length=args.seq_length,
-            micro_batch_size=args.micro_batch_size, forward_only=False)
-        if runtime is None:
-            ok, grad_norm, _ = optimizer.step()
-            if ok:
-                lr_scheduler.step(increment=gbs)
-        else:
-            grad_norm = runtime.steps[-1].grad_norm if runtime.steps else None
-        consumed += gbs
-        loss = _mean_loss(losses)
-        history.append(loss)
-        if reporter and iteration % args.log_interval == 0:
-            now = time.perf_counter()
-            elapsed_ms = (now - t_last) * 1000.0 / args.log_interval
-            t_last = now
-            tokens_per_s = gbs * args.seq_length / (elapsed_ms / 1000.0)
-            drift = f" | drift max (this stage) {runtime.drift.max}" if runtime else ""
-            gn = "n/a" if grad_norm is None else f"{grad_norm:.3f}"
-            _log(f" iteration {iteration:6d}/{args.train_iters} | consumed samples {consumed:8d} "
-                 f"| elapsed time per iteration (ms): {elapsed_ms:.1f} | tokens/s {tokens_per_s:.0f}"
-                 f" | learning rate {optimizer.param_groups[0]['lr']:.3e} | lm loss {loss:.6e} "
-                 f"| grad norm {gn}{drift}")
-    summary = {"schedule": args.pipeline_schedule, "losses": history}
-    if runtime is not None:
-        dropped = runtime.drain()
-        drift = mcore_runtime.gather_across_pipeline(runtime.drift_summary())
-        summary["drift"] = drift
+    job = Job(args, opts, info, spec, model, optimizer, lr_scheduler, runtime,
+              mcore_runtime.get_forward_backward_func(), datasets, reporter, uninstall=uninstall)
+    if args.load:
+        state = checkpoint.load_checkpoint(args.load, model, optimizer, lr_scheduler)
+        job.iteration = state["iteration"]
+        job.consumed = int(state["extra"].get("consumed_samples", job.iteration * gbs))
+        if runtime is not None:  # weight versions count local steps since the start
+            runtime.drift.version = job.iteration * (args.num_microbatches // opts.accumulation)
         if reporter:
-            _log(f"> drained the pipeline (this stage dropped {dropped} in-flight forwards)")
+            _log(f"> loaded checkpoint from {args.load} at iteration {job.iteration} "
+                 f"({job.consumed} samples consumed)")
+    job.train_data = _batches(job, datasets[0], job.consumed)
+    if reporter and args.metrics_file:
+        job.metrics = open(args.metrics_file, "a")
+    if reporter and args.tensorboard_dir:
+        job.tensorboard = _tensorboard(args.tensorboard_dir)
+    return job
+
+
+def _tensorboard(path: str):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        _log("> --tensorboard-dir: tensorboard is not installed (pip install tensorboard); "
+             "scalars are not written")
+        return None
+    return SummaryWriter(log_dir=path)
+
+
+def _pipeline_stats(job: Job) -> Optional[List[Dict]]:
+    """Every stage's drift summary; a small gather over the pipeline group (a sync point:
+    at log intervals only)."""
+    if job.runtime is None:
+        return None
+    return mcore_runtime.gather_across_pipeline(job.runtime.drift_summary())
+
+
+def _write_metrics(job: Job, record: Dict) -> None:
+    if job.metrics is not None:
+        job.metrics.write(json.dumps(record) + "\n")
+        job.metrics.flush()
+    if job.tensorboard is not None:
+        for key, value in record.items():
+            if isinstance(value, (int, float)) and key != "iteration":
+                job.tensorboard.add_scalar(key, value, record.get("iteration", job.iteration))
+            elif isinstance(value, list):
+                for s, v in enumerate(value):
+                    job.tensorboard.add_scalar(f"{key}/stage{s}", v, job.iteration)
+
+
+def train_step(job: Job) -> Dict:
+    args = job.args
+    if job.runtime is None:
+        for chunk in job.model:
+            chunk.zero_grad_buffer()
+        job.optimizer.zero_grad()
+    losses = job.forward_backward(
+        forward_step_func=build.gpt_forward_step, data_iterator=job.train_data, model=job.model,
+        num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size, forward_only=False)
+    if job.runtime is None:
+        ok, grad_norm, _ = job.optimizer.step()
+        if ok:
+            job.lr_scheduler.step(increment=args.global_batch_size)
+    else:
+        grad_norm = job.runtime.steps[-1].grad_norm if job.runtime.steps else None
+    job.iteration += 1
+    job.consumed += args.global_batch_size
+    return {"loss": _mean_loss(losses), "grad_norm": grad_norm}
+
+
+def evaluate(job: Job) -> Optional[float]:
+    """Validation loss over --eval-iters batches from the start of the validation split.
+
+    PACI needs no drain: between two calls every stage has taken the same number of local
+    steps, so the stages hold one consistent model; the forwards in flight stay untouched and
+    training continues exactly as without evaluation."""
+    args = job.args
+    if job.reporter and job.runtime is not None and job.runtime.primed:
+        _log(f"> evaluating at iteration {job.iteration}: PACI pipeline not drained (every stage "
+             f"at local step {job.runtime.drift.version}; its in-flight micro-batches are kept)")
+    data = _batches(job, job.datasets[1], 0)
+    for chunk in job.model:
+        chunk.eval()
+    total = []
+    for _ in range(args.eval_iters):
+        losses = job.forward_backward(
+            forward_step_func=build.gpt_forward_step, data_iterator=data, model=job.model,
+            num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size, forward_only=True)
+        loss = _mean_loss(losses)
+        if loss is not None:
+            total.append(loss)
+    for chunk in job.model:
+        chunk.train()
+    value = sum(total) / len(total) if total else None
+    job.last_eval = (job.iteration, value)
+    if job.reporter:
+        _log(f" validation loss at iteration {job.iteration} | lm loss value: {value:.6e} | "
+             f"lm loss PPL: {math.exp(min(value, 50)):.3f}")
+    return value
+
+
+def save(job: Job) -> None:
+    if job.runtime is not None and job.runtime.primed:
+        dropped = job.runtime.drain()
+        if job.reporter:
+            _log(f"> PACI: drained the pipeline before saving (this stage dropped {dropped} "
+                 "in-flight forwards; their data is replayed)")
+    path = checkpoint.save_checkpoint(
+        job.args.save, job.iteration, job.model, job.optimizer, job.lr_scheduler,
+        extra={"consumed_samples": job.consumed, "schedule": job.args.pipeline_schedule})
+    if job.reporter:
+        _log(f"> saved checkpoint at iteration {job.iteration} to {path}")
+
+
+def _log_iteration(job: Job, step: Dict, elapsed_ms: float) -> None:
+    args = job.args
+    stats = _pipeline_stats(job)
+    if not job.reporter:
+        return
+    drift = [row["max"] for row in stats] if stats else None
+    skipped = [row["skipped_steps"] for row in stats] if stats else [0] * job.info["pp_size"]
+    tokens_per_s = args.global_batch_size * args.seq_length / (elapsed_ms / 1000.0)
+    lr = job.optimizer.param_groups[0]["lr"]
+    gn = "n/a" if step["grad_norm"] is None else f"{step['grad_norm']:.3f}"
+    drift_text = f" | PACI drift max per stage {drift}" if drift is not None else ""
+    if any(skipped):
+        drift_text += f" | skipped (non-finite) steps per stage {skipped}"
+    eta_s = int(elapsed_ms / 1000.0 * (args.train_iters - job.iteration))
+    drift_text += f" | ETA {eta_s // 3600:d}:{eta_s // 60 % 60:02d}:{eta_s % 60:02d}"
+    _log(f" iteration {job.iteration:8d}/{args.train_iters:8d} | consumed samples "
+         f"{job.consumed:10d} | elapsed time per iteration (ms): {elapsed_ms:.1f} | "
+         f"tokens/s: {tokens_per_s:.0f} | learning rate: {lr:.4e} | lm loss: "
+         f"{step['loss']:.6e} | grad norm: {gn}{drift_text}")
+    _write_metrics(job, {"iteration": job.iteration, "consumed_samples": job.consumed,
+                         "lm_loss": step["loss"], "lr": lr, "elapsed_ms": elapsed_ms,
+                         "tokens_per_sec": tokens_per_s, "grad_norm": step["grad_norm"],
+                         "max_drift": drift if drift is not None else [0] * job.info["pp_size"],
+                         "skipped_steps": skipped})
+
+
+def train(args, opts: ScheduleOptions) -> Dict:
+    job = setup(args, opts)
+    if job.reporter:
+        fb = job.forward_backward
+        _log(f"> forward-backward function: {getattr(fb, '__module__', '')}."
+             f"{getattr(fb, '__qualname__', repr(fb))}")
+        _log(f"> schedule {args.pipeline_schedule}: P={job.info['pp_size']} "
+             f"TP={job.info['tp_size']} DP={job.info['dp_size']} micro-batches/iteration="
+             f"{args.num_microbatches} a={opts.accumulation}")
+    t_last = time.perf_counter()
+    since_log = 0
+    while job.iteration < args.train_iters:
+        if args.exit_interval and job.iteration % args.exit_interval == 0 and job.history:
+            if job.reporter:
+                _log(f"> exiting at iteration {job.iteration} (--exit-interval)")
+            break
+        step = train_step(job)
+        job.history.append(step["loss"])
+        since_log += 1
+        if job.iteration % args.log_interval == 0:
+            now = time.perf_counter()
+            _log_iteration(job, step, (now - t_last) * 1000.0 / since_log)
+            t_last, since_log = now, 0
+        if args.eval_interval and job.iteration % args.eval_interval == 0:
+            _write_metrics(job, {"iteration": job.iteration, "validation_loss": evaluate(job)})
+            t_last = time.perf_counter()
+        if args.save and args.save_interval and job.iteration % args.save_interval == 0 \
+                and job.iteration < args.train_iters:
+            save(job)
+            t_last = time.perf_counter()
+    summary = finish(job)
+    return summary
+
+
+def finish(job: Job) -> Dict:
+    args = job.args
+    summary: Dict[str, Any] = {"schedule": args.pipeline_schedule, "losses": job.history,
+                               "iteration": job.iteration}
+    if job.runtime is not None:
+        dropped = job.runtime.drain()
+        drift = mcore_runtime.gather_across_pipeline(job.runtime.drift_summary())
+        summary["drift"] = drift
+        if job.reporter:
+            _log(f"> PACI: drained the pipeline at the end (this stage dropped {dropped} "
+                 "in-flight forwards)")
             for row in drift:
                 _log(f"> stage {row['stage']}: max drift {row['max']} (bound {row['bound']}), "
                      f"histogram {row['histogram']}, local steps {row['steps']}")
-        uninstall()
-    if reporter:
+    if job.last_eval is None or job.last_eval[0] != job.iteration:
+        evaluate(job)
+    validation = job.last_eval[1]
+    summary["validation_loss"] = validation
+    if args.save:
+        save(job)
+    _write_metrics(job, {"final": True, "iteration": job.iteration,
+                         "consumed_samples": job.consumed, "validation_loss": validation,
+                         "max_drift": [r["max"] for r in summary.get("drift", [])]})
+    if job.uninstall is not None:
+        job.uninstall()
+    if job.reporter:
         _log("PACI_SUMMARY " + json.dumps(summary))
+    if job.metrics is not None:
+        job.metrics.close()
+    if job.tensorboard is not None:
+        job.tensorboard.close()
     build.destroy_distributed()
     return summary
 
@@ -122,7 +349,18 @@ def main(argv=None) -> int:
     from .arguments import parse_and_validate
 
     args, opts = parse_and_validate(argv)
-    train(args, opts)
+    return run(args, opts)
+
+
+def run(args, opts: ScheduleOptions) -> int:
+    """Train; a ConfigError found before training (files, checkpoint) exits like a bad flag."""
+    from .arguments import ConfigError
+
+    try:
+        train(args, opts)
+    except ConfigError as exc:
+        print(f"pretrain_gpt_paci.py: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     return 0
 
 

@@ -331,6 +331,16 @@ def patch_clip_grads():
     return changed
 
 
+def patch_dist_checkpointing():
+    """dist_checkpointing torch_dist save: torch.cuda.synchronize() after the D2H copy, CUDA
+    flags for the write-result exchange (filesystem_async.py, state_dict_saver.py,
+    async_utils.py)."""
+    changed = False
+    for name in ("filesystem_async", "state_dict_saver", "async_utils"):
+        changed |= _redirect_torch(f"megatron.core.dist_checkpointing.strategies.{name}")
+    return changed
+
+
 # Registry, in application order: name -> function. Each returns True if it changed something.
 CPU_PATCHES: Dict[str, Callable[[], bool]] = {
     "p2p_communication": patch_p2p_communication,
@@ -343,6 +353,7 @@ CPU_PATCHES: Dict[str, Callable[[], bool]] = {
     "tied_embeddings": patch_tied_embeddings,
     "optimizer_construction": patch_optimizer_construction,
     "clip_grads": patch_clip_grads,
+    "dist_checkpointing": patch_dist_checkpointing,
 }
 
 _APPLIED: List[str] = []

@@ -30,7 +30,7 @@ def test_main_job_trains(schedule, function):
     summary = _summary(out)
     losses = summary["losses"]
     assert len(losses) == 8 and losses[-1] < losses[0]
-    assert sum(" iteration " in l for l in out.splitlines()) == 8
+    assert sum(l.startswith(" iteration ") for l in out.splitlines()) == 8
     if schedule == "paci":
         assert [row["max"] for row in summary["drift"]] == [1, 0]
         assert [row["steps"] for row in summary["drift"]] == [8, 8]

@@ -174,6 +174,7 @@ class GPTSpec:
     recompute_method: Optional[str] = None
     recompute_num_layers: Optional[int] = None
     position_embedding_type: str = "learned_absolute"
+    transformer_impl: str = "local"
 
 
 def _check_layer_split(spec: GPTSpec, pp: int, vpp: Optional[int]) -> None:
@@ -228,6 +229,17 @@ def make_transformer_config(spec: GPTSpec) -> TransformerConfig:
     )
 
 
+def _layer_spec(spec: GPTSpec):
+    """The local (non-TE) spec is the CPU path; Transformer Engine only where importable."""
+    if spec.transformer_impl == "transformer_engine":
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_local_spec(normalization=spec.normalization)
+
+
 def build_gpt_model(
     spec: GPTSpec,
     *,
@@ -251,7 +263,7 @@ def build_gpt_model(
     tp = parallel_state.get_tensor_model_parallel_world_size()
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     vocab = _padded_vocab_size(spec.vocab_size, tp)
-    layer_spec = get_gpt_layer_local_spec(normalization=spec.normalization)
+    layer_spec = _layer_spec(spec)
 
     chunks: List[torch.nn.Module] = []
     for vp_stage in range(vpp or 1):

@@ -51,6 +51,14 @@ class StageState:
         return len(self.outputs)
 
 
+class PeerFailure(RuntimeError):
+    """A send or receive with a neighbouring stage failed: that stage most likely died."""
+
+    def __init__(self, peers: str, exc: Exception):
+        super().__init__(f"communication with {peers} failed ({exc}); that stage most likely "
+                         "died or raised: its own log says why")
+
+
 class MegatronHandlers:
     """Turns schedule actions into Megatron-Core calls for the local pipeline stage."""
 
@@ -92,7 +100,6 @@ class MegatronHandlers:
         self.data.release(mb)
         if not self.rt.is_first:
             state.input_grads[mb] = grad
-        self.rt.on_backward(mb)
 
     def step(self, mb: int) -> None:
         self.rt.local_step(mb)
@@ -116,15 +123,18 @@ class MegatronHandlers:
         out = state.outputs[send_next.mb] if send_next else None
         grad = state.input_grads.pop(send_prev.mb) if send_prev else None
         wait_all = bool(self.config.batch_p2p_comm)  # batched p2p must complete together
-        recv_prev, recv_next, reqs = self.rt.p2p._communicate(
-            tensor_send_next=out, tensor_send_prev=grad,
-            recv_prev=Op.RECV_F in batch, recv_next=Op.RECV_B in batch,
-            tensor_shape=self.tensor_shape, wait_on_reqs=wait_all,
-        )
-        reqs = reqs or {}
-        for key in ("recv_prev", "recv_next"):
-            if key in reqs:
-                reqs[key].wait()
+        try:
+            recv_prev, recv_next, reqs = self.rt.p2p._communicate(
+                tensor_send_next=out, tensor_send_prev=grad,
+                recv_prev=Op.RECV_F in batch, recv_next=Op.RECV_B in batch,
+                tensor_shape=self.tensor_shape, wait_on_reqs=wait_all,
+            )
+            reqs = reqs or {}
+            for key in ("recv_prev", "recv_next"):
+                if key in reqs:
+                    reqs[key].wait()
+        except RuntimeError as exc:
+            raise PeerFailure(self.rt.describe_peers(batch), exc) from exc
         if Op.RECV_F in batch:
             state.inputs[batch[Op.RECV_F].mb] = recv_prev
         if Op.RECV_B in batch:
@@ -189,6 +199,15 @@ def check_no_cross_stage_grad_reduction(model, pg: ProcessGroupCollection) -> No
         raise ValueError("PACI does not support position embeddings shared across stages")
 
 
+def grads_are_finite(model) -> bool:
+    """One reduction per gradient buffer of Megatron's DDP (per parameter without one)."""
+    buffers = [b.grad_data for b in getattr(model, "buffers", [])]
+    if not buffers:
+        buffers = [getattr(p, "main_grad", p.grad) for p in model.parameters()]
+    flags = [torch.isfinite(g).all() for g in buffers if g is not None]
+    return bool(torch.stack(flags).all()) if flags else True
+
+
 def stage_grad_stats_group(optimizer) -> Any:
     """Grad-norm / found-inf reductions restricted to this stage (tensor x data parallel for
     the distributed optimizer, whose grads are sharded over data parallel; tensor otherwise)."""
@@ -209,13 +228,16 @@ class PaciRuntime:
     """
 
     def __init__(self, *, accumulation: int, kind: str = "paci", max_drift: Optional[int] = None,
-                 keep_drift_log: bool = False):
+                 on_nonfinite: str = "skip"):
         if kind not in ("paci", "flush"):
             raise ValueError(f"unknown runtime kind {kind!r}")
         self.kind = kind
         self.accumulation = accumulation
         self.max_drift = max_drift
-        self.keep_drift_log = keep_drift_log
+        if on_nonfinite not in ("skip", "abort"):
+            raise ValueError(f"--paci-on-nonfinite must be skip or abort, got {on_nonfinite!r}")
+        self.on_nonfinite = on_nonfinite
+        self.skipped_steps = 0
         self.optimizer = None
         self.lr_scheduler = None
         self.lr_increment = None
@@ -224,8 +246,6 @@ class PaciRuntime:
         self.state = StageState()
         self.data: Optional[ReplayIterator] = None
         self.steps: List[StepRecord] = []
-        self.on_backward_hook: Optional[Callable[[int], None]] = None
-        self.on_step_hook: Optional[Callable[[int], None]] = None
         self._model = None
         self.fresh_weights = True
         pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -241,8 +261,7 @@ class PaciRuntime:
                 f"a={accumulation}: PACI cannot run within it; raise --paci-max-drift or "
                 "--paci-accumulation-factor"
             )
-        self.drift = DriftStats(self.stage, bound if max_drift is None else max_drift,
-                                keep_log=keep_drift_log)
+        self.drift = DriftStats(self.stage, bound if max_drift is None else max_drift)
         self.pg = pipeline_groups()
         self.p2p: Optional[P2PCommunicator] = None
 
@@ -256,6 +275,19 @@ class PaciRuntime:
             group = stage_grad_stats_group(optimizer)
             for opt in _sub_optimizers(optimizer):
                 opt.grad_stats_parallel_group = group
+
+    def describe_peers(self, actions) -> str:
+        """'pipeline stage 2 (global rank 5)' for the neighbours these actions talk to."""
+        group = self.pg.pp
+        stages = sorted({self.stage + (1 if op in (Op.SEND_F, Op.RECV_B) else -1) for op in actions})
+        return " and ".join(
+            f"pipeline stage {s} (global rank {torch.distributed.get_global_rank(group, s)})"
+            for s in stages)
+
+    @property
+    def primed(self) -> bool:
+        """True between a training call and the next drain (forwards may be in flight)."""
+        return self.plan is not None
 
     @property
     def in_flight(self) -> int:
@@ -273,10 +305,6 @@ class PaciRuntime:
         with ctx:
             yield
 
-    def on_backward(self, mb: int) -> None:
-        if self.on_backward_hook is not None:
-            self.on_backward_hook(mb)
-
     def local_step(self, mb: int) -> None:
         """This stage's optimizer (and LR) step; reductions stay within the stage for PACI."""
         if self.optimizer is None:
@@ -284,9 +312,12 @@ class PaciRuntime:
         model = self._model
         config = get_model_config(model)
         config.finalize_model_grads_func([model], None, pg_collection=self.pg)
-        params = [p for p in model.parameters()]
-        with keep_version_counters(params):
-            ok, grad_norm, _zeros = self.optimizer.step()
+        if grads_are_finite(model):
+            with keep_version_counters(list(model.parameters())):
+                ok, grad_norm, _zeros = self.optimizer.step()
+        else:
+            self.skip_nonfinite_step(mb)
+            ok, grad_norm = False, float("nan")
         lr = None
         if ok and self.lr_scheduler is not None:
             self.lr_scheduler.step(increment=self.lr_increment)
@@ -296,8 +327,15 @@ class PaciRuntime:
         self.optimizer.zero_grad()
         self.fresh_weights = True
         self.steps.append(StepRecord(mb, bool(ok), None if grad_norm is None else float(grad_norm), lr))
-        if self.on_step_hook is not None:
-            self.on_step_hook(mb)
+
+    def skip_nonfinite_step(self, mb: int) -> None:
+        """A NaN/Inf gradient reached this stage's step: skip the update (default) or stop."""
+        self.skipped_steps += 1
+        where = (f"stage {self.stage}: non-finite gradient at the local step after micro-batch "
+                 f"{mb} (step {self.drift.version + 1})")
+        if self.on_nonfinite == "abort":
+            raise FloatingPointError(f"{where}; stopping (--paci-on-nonfinite abort)")
+        print(f"[paci] {where}; update skipped ({self.skipped_steps} so far)", flush=True)
 
     # the forward-backward function -------------------------------------------------------------
     def _start(self, model, data_iterator, num_microbatches: int, seq_length: int,
@@ -330,8 +368,10 @@ class PaciRuntime:
                          decoder_seq_length: Optional[int] = None, forward_only: bool = False,
                          collect_non_loss_data: bool = False, first_val_step=None, **kwargs):
         """Megatron's forward-backward signature. Training calls advance the stream by
-        ``num_microbatches`` backwards per stage (and their local steps); a forward-only call
-        (evaluation) drains first and then runs stock Megatron."""
+        ``num_microbatches`` backwards per stage (and their local steps). A forward-only call
+        (evaluation) runs stock Megatron between two training calls: every stage has then
+        taken the same number of local steps and no message is in transit, so the in-flight
+        forwards are kept and training goes on as if the evaluation had not happened."""
         if isinstance(model, list):
             if len(model) != 1:
                 raise ValueError("PACI does not support virtual pipeline stages (model chunks); "
@@ -340,7 +380,6 @@ class PaciRuntime:
         if isinstance(data_iterator, list):
             data_iterator = data_iterator[0]
         if forward_only:
-            self.drain()
             stock = STOCK_GET_FORWARD_BACKWARD_FUNC()
             return stock(forward_step_func=forward_step_func, data_iterator=data_iterator,
                          model=[model], num_microbatches=num_microbatches, seq_length=seq_length,
@@ -386,7 +425,7 @@ class PaciRuntime:
     def drift_summary(self) -> dict:
         return {"stage": self.stage, "max": self.drift.max, "bound": self.drift.bound,
                 "histogram": dict(sorted(self.drift.histogram.items())),
-                "steps": self.drift.version}
+                "steps": self.drift.version, "skipped_steps": self.skipped_steps}
 
 
 # --- wiring into Megatron -------------------------------------------------------------------

@@ -1,0 +1,149 @@
+"""Checkpoints with Megatron-Core distributed checkpointing (torch_dist format).
+
+A checkpoint holds the model, the optimizer, the LR scheduler, every rank's RNG states and the
+data position. It is written to ``iter_XXXXXXX.tmp`` and renamed when every rank has finished,
+then ``latest_checkpointed_iteration.txt`` is replaced atomically, so a job killed while saving
+leaves the previous checkpoint loadable. PACI drains before saving (a checkpoint cannot hold
+activations), so a resumed run continues exactly as one that drained at that iteration.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+LATEST = "latest_checkpointed_iteration.txt"
+COMPLETE = "paci_complete"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded; the message names --load."""
+
+
+def _rng_state() -> Dict:
+    return {"random": random.getstate(), "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+            "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+
+def _set_rng_state(state: Dict) -> None:
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _rng_sharded(data) -> ShardedObject:
+    pp, tp = (parallel_state.get_pipeline_model_parallel_world_size(),
+              parallel_state.get_tensor_model_parallel_world_size())
+    dp = parallel_state.get_data_parallel_world_size()
+    return ShardedObject(
+        "rng_state", data, (pp, tp, dp),
+        (parallel_state.get_pipeline_model_parallel_rank(),
+         parallel_state.get_tensor_model_parallel_rank(),
+         parallel_state.get_data_parallel_rank()), replica_id=0)
+
+
+def _unwrap_ddp(chunk):
+    """DDP's own state dicts carry a "module." prefix; the model's keys are what we store."""
+    return getattr(chunk, "module", chunk)
+
+
+def _model_keys(model: List[torch.nn.Module]) -> List[str]:
+    return ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
+
+
+def _model_sharded(model: List[torch.nn.Module]) -> Dict:
+    return {key: _unwrap_ddp(chunk).sharded_state_dict()
+            for key, chunk in zip(_model_keys(model), model)}
+
+
+def _sharded_state(model, optimizer, is_loading: bool) -> Dict:
+    state = _model_sharded(model)
+    merged = {}
+    for part in state.values():
+        merged.update(part)
+    state["optimizer"] = optimizer.sharded_state_dict(merged, is_loading=is_loading)
+    state["rng_state"] = _rng_sharded(None if is_loading else _rng_state())
+    return state
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def save_checkpoint(root: str, iteration: int, model, optimizer, lr_scheduler,
+                    extra: Optional[Dict] = None) -> str:
+    final = iteration_dir(root, iteration)
+    tmp = final + ".tmp"
+    rank0 = torch.distributed.get_rank() == 0
+    if rank0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    state = _sharded_state(model, optimizer, is_loading=False)
+    state["lr_scheduler"] = lr_scheduler.state_dict()
+    state["iteration"] = iteration
+    state["extra"] = dict(extra or {})
+    dist_checkpointing.save(state, tmp)
+    _barrier()
+    if rank0:
+        open(os.path.join(tmp, COMPLETE), "w").close()
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        latest_tmp = os.path.join(root, LATEST + ".tmp")
+        with open(latest_tmp, "w") as f:
+            f.write(str(iteration))
+        os.replace(latest_tmp, os.path.join(root, LATEST))
+    _barrier()
+    return final
+
+
+def find_checkpoint(root: str) -> str:
+    """The directory --load points to, checked for completeness; raises CheckpointError."""
+    if not os.path.isdir(root):
+        raise CheckpointError(f"--load {root}: no such directory")
+    latest = os.path.join(root, LATEST)
+    if not os.path.exists(latest):
+        raise CheckpointError(f"--load {root}: no checkpoint there ({LATEST} is missing); "
+                              "point --load at a directory written by --save")
+    text = open(latest).read().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"--load {root}: {LATEST} is corrupt ({text[:40]!r})")
+    path = iteration_dir(root, int(text))
+    if not os.path.exists(os.path.join(path, COMPLETE)) or \
+            not os.path.exists(os.path.join(path, "metadata.json")):
+        raise CheckpointError(f"--load {root}: checkpoint {path} is incomplete or corrupt "
+                              "(a save was interrupted?); remove it or load an earlier one")
+    return path
+
+
+def load_checkpoint(root: str, model, optimizer, lr_scheduler) -> Dict:
+    """Restores everything in place; returns {'iteration': ..., 'extra': {...}}."""
+    path = find_checkpoint(root)
+    template = _sharded_state(model, optimizer, is_loading=True)
+    try:
+        common = dist_checkpointing.load_common_state_dict(path)
+        loaded = dist_checkpointing.load(template, path)
+    except Exception as exc:  # torch_dist raises many kinds; the user needs the path
+        raise CheckpointError(f"--load {root}: cannot read {path}: {type(exc).__name__}: "
+                              f"{exc}") from exc
+    for key, chunk in zip(_model_keys(model), model):
+        _unwrap_ddp(chunk).load_state_dict(loaded[key])
+    optimizer.load_state_dict(loaded["optimizer"])
+    lr_scheduler.load_state_dict(common["lr_scheduler"])
+    _set_rng_state(loaded["rng_state"])
+    return {"iteration": int(common["iteration"]), "extra": dict(common.get("extra", {}))}

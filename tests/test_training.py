@@ -1,0 +1,161 @@
+"""pretrain_gpt_paci.py as a user runs it: real data, evaluation, checkpoints, metrics, errors."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from launch import REPO, run_torchrun
+
+SHAKESPEARE = os.path.join(REPO, "..", "shared", "data", "tinyshakespeare.txt")
+
+TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+        "--untie-embeddings-and-output-weights", "--lr", "3e-3", "--lr-warmup-iters", "2",
+        "--log-interval", "1", "--distributed-timeout-minutes", "2"]
+
+
+def _metrics(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _train(flags, nproc=2, timeout=240):
+    return run_torchrun("pretrain_gpt_paci.py", TINY + flags, nproc=nproc, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def shakespeare(tmp_path_factory):
+    if not os.path.exists(SHAKESPEARE):
+        pytest.skip(f"{SHAKESPEARE} is absent (the shared corpus is not on this machine)")
+    out = tmp_path_factory.mktemp("shakespeare")
+    proc = subprocess.run(
+        [sys.executable, "-m", "paci_megatron.preprocess_data", "--input", SHAKESPEARE,
+         "--output-prefix", str(out / "shakespeare"), "--tokenizer-model",
+         str(out / "spm.model"), "--vocab-size", "512"],
+        capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    flags = proc.stdout.strip().splitlines()[-1].split()
+    assert "--data-path" in flags and "--tokenizer-model" in flags
+    return flags
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("schedule", ["1f1b", "paci"])
+def test_shakespeare_trains_evaluates_and_writes_metrics(schedule, shakespeare, tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    _, out, _ = _train(shakespeare + ["--pipeline-schedule", schedule, "--train-iters", "30",
+                                      "--eval-interval", "10", "--eval-iters", "2",
+                                      "--metrics-file", str(metrics), "--split", "90,10,0",
+                                      "--tensorboard-dir", str(tmp_path / "tb")])
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tb"))
+    records = _metrics(metrics)
+    logged = [r for r in records if "lm_loss" in r]
+    assert len(logged) == 30
+    for r in logged:
+        for key in ("iteration", "consumed_samples", "lm_loss", "lr", "elapsed_ms",
+                    "tokens_per_sec", "max_drift"):
+            assert key in r, key
+        assert len(r["max_drift"]) == 2
+    evals = [r["validation_loss"] for r in records if "validation_loss" in r]
+    final = records[-1]
+    assert final["final"] is True and final["validation_loss"] == evals[-1]
+    assert evals[-1] < evals[0], evals
+    assert " validation loss at iteration 10 " in out
+    if schedule == "paci":
+        assert logged[-1]["max_drift"] == [1, 0]
+        assert "PACI pipeline not drained" in out
+
+
+def _losses(path):
+    return {r["iteration"]: r["lm_loss"] for r in _metrics(path) if "lm_loss" in r}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("schedule", ["1f1b", "paci"])
+def test_resume_is_exact(schedule, tmp_path):
+    """train 4 of 8, save, stop, load, train to 8 == train 8 saving at 4 (PACI drains there)."""
+    flags = ["--pipeline-schedule", schedule, "--hidden-dropout", "0.1"]
+    one = tmp_path / "one.jsonl"
+    _train(flags + ["--train-iters", "8", "--save", str(tmp_path / "a"), "--save-interval", "4",
+                    "--metrics-file", str(one)])
+    first = tmp_path / "first.jsonl"
+    _train(flags + ["--train-iters", "8", "--exit-interval", "4", "--save", str(tmp_path / "b"),
+                    "--metrics-file", str(first)])
+    second = tmp_path / "second.jsonl"
+    _, out, _ = _train(flags + ["--train-iters", "8", "--load", str(tmp_path / "b"),
+                                "--metrics-file", str(second)])
+    assert "loaded checkpoint" in out
+    whole, resumed = _losses(one), {**_losses(first), **_losses(second)}
+    assert sorted(resumed) == list(range(1, 9))
+    assert resumed == whole  # bit for bit (JSON floats round-trip exactly)
+
+
+@pytest.mark.parametrize("case,match", [
+    ("missing_idx", "--data-path"),
+    ("truncated_bin", "--data-path"),
+    ("no_tokenizer", "--tokenizer-model"),
+    ("batch", "--global-batch-size 6 is not divisible"),
+    ("schedule", "--pipeline-schedule 'zb' is unknown"),
+    ("empty_load", "--load"),
+    ("corrupt_load", "--load"),
+])
+def test_bad_input_fails_before_training(case, match, tmp_path):
+    prefix = tmp_path / "data_text_document"
+    flags = ["--data-path", str(prefix), "--tokenizer-type", "NullTokenizer", "--vocab-size", "99"]
+    if case in ("missing_idx", "truncated_bin"):
+        (tmp_path / "data_text_document.bin").write_bytes(b"\0" * 10)
+        if case == "truncated_bin":
+            (tmp_path / "data_text_document.idx").write_bytes(b"MMIDIDX\x00\x00garbage")
+    elif case == "no_tokenizer":
+        for ext in (".bin", ".idx"):
+            (tmp_path / f"data_text_document{ext}").write_bytes(b"x")
+        flags = ["--data-path", str(prefix), "--tokenizer-model", str(tmp_path / "nope.model")]
+    elif case == "batch":
+        flags = ["--global-batch-size", "6", "--micro-batch-size", "4"]
+    elif case == "schedule":
+        flags = ["--pipeline-schedule", "zb"]
+    elif case == "empty_load":
+        (tmp_path / "ckpt").mkdir()
+        flags = ["--load", str(tmp_path / "ckpt")]
+    elif case == "corrupt_load":
+        (tmp_path / "ckpt" / "iter_0000004").mkdir(parents=True)
+        (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("4")
+        flags = ["--load", str(tmp_path / "ckpt")]
+    code, out, err = run_torchrun("pretrain_gpt_paci.py", TINY + flags + ["--train-iters", "2"],
+                                  nproc=2, timeout=120, check=False)
+    assert code != 0
+    assert match in out + err
+    assert " iteration " not in out  # nothing trained
+
+
+def test_load_refuses_partial_checkpoint(tmp_path):
+    from paci_megatron.mcore.checkpoint import CheckpointError, find_checkpoint
+
+    root = tmp_path / "ckpt"
+    (root / "iter_0000002.tmp").mkdir(parents=True)  # killed while saving, never renamed
+    with pytest.raises(CheckpointError, match="no checkpoint there"):
+        find_checkpoint(str(root))
+    shutil.rmtree(root)
+
+
+@pytest.mark.dist
+def test_recompute_keeps_dropout_masks_and_runs_under_paci(tmp_path):
+    """Full recomputation replays the forward's RNG: with dropout, 1f1b with and without it
+    gives the same losses bit for bit; PACI runs with it (its recompute reads current weights)."""
+    common = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--train-iters", "3"]
+    recompute = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                 "--recompute-num-layers", "1"]
+    runs = {}
+    for name, extra in [("plain", []), ("recompute", recompute)]:
+        path = tmp_path / f"{name}.jsonl"
+        _train(common + extra + ["--pipeline-schedule", "1f1b", "--metrics-file", str(path)])
+        runs[name] = _losses(path)
+    assert runs["plain"] == runs["recompute"] and len(runs["plain"]) == 3
+    path = tmp_path / "paci.jsonl"
+    _train(common + recompute + ["--pipeline-schedule", "paci", "--metrics-file", str(path)])
+    losses = _losses(path)
+    assert len(losses) == 3 and all(0 < v < 10 for v in losses.values())
