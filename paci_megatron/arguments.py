@@ -4,6 +4,7 @@ process group starts (so bad input fails fast with the flag and the fix in the m
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from typing import List, Optional, Sequence
 
@@ -14,28 +15,56 @@ class ConfigError(ValueError):
     """A bad flag or combination of flags; the message names the flag and the fix."""
 
 
-def _positive(name: str):
+def _bounded_int(name: str, low: int):
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} takes a whole number, got {text!r}")
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{name} must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _positive(name: str):
+    return _bounded_int(name, 1)
+
+
+def _bounded_float(name: str, low: float = 0.0, high: float = float("inf"),
+                   low_open: bool = False, high_open: bool = False):
+    """A finite number in [low, high] (or open ends)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} takes a number, got {text!r}")
+        too_low = value <= low if low_open else value < low
+        too_high = value >= high if high_open else value > high
+        if not math.isfinite(value) or too_low or too_high:
+            span = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+            raise argparse.ArgumentTypeError(f"{name} must be a finite number in {span}, "
+                                             f"got {text}")
         return value
 
     return parse
 
 
 def _non_negative_float(name: str):
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} takes a number, got {text!r}")
-        if not value >= 0.0:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {text}")
-        return value
+    return _bounded_float(name)
+
+
+def _probability(name: str):
+    return _bounded_float(name, 0.0, 1.0, high_open=True)
+
+
+def _path(name: str):
+    def parse(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"{name} needs a path, got an empty string")
+        return text
 
     return parse
 
@@ -57,9 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "taken from the model")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
-    g.add_argument("--hidden-dropout", type=_non_negative_float("--hidden-dropout"), default=0.0)
-    g.add_argument("--attention-dropout", type=_non_negative_float("--attention-dropout"),
-                   default=0.0)
+    g.add_argument("--hidden-dropout", type=_probability("--hidden-dropout"), default=0.0)
+    g.add_argument("--attention-dropout", type=_probability("--attention-dropout"), default=0.0)
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=_positive("--tensor-model-parallel-size"),
                    default=1)
@@ -70,8 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                    type=_positive("--num-layers-per-virtual-pipeline-stage"), default=None)
     g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None,
                    help="default: nccl when CUDA is available, else gloo")
-    g.add_argument("--distributed-timeout-minutes", type=_non_negative_float(
-        "--distributed-timeout-minutes"), default=10.0)
+    g.add_argument("--distributed-timeout-minutes", type=_bounded_float(
+        "--distributed-timeout-minutes", low_open=True), default=5.0,
+        help="a stage that stalls this long makes its neighbours (and the job) stop")
     g = p.add_argument_group("batch and optimizer")
     g.add_argument("--micro-batch-size", type=_positive("--micro-batch-size"), default=2)
     g.add_argument("--global-batch-size", type=_positive("--global-batch-size"), default=None,
@@ -80,14 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr", type=_non_negative_float("--lr"), default=1e-3)
     g.add_argument("--min-lr", type=_non_negative_float("--min-lr"), default=0.0)
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine")
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-iters", type=_bounded_int("--lr-warmup-iters", 0), default=0)
     g.add_argument("--weight-decay", type=_non_negative_float("--weight-decay"), default=0.01)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-beta1", type=_probability("--adam-beta1"), default=0.9)
+    g.add_argument("--adam-beta2", type=_probability("--adam-beta2"), default=0.999)
     g.add_argument("--clip-grad", type=_non_negative_float("--clip-grad"), default=1.0)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
-    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--seed", type=_bounded_int("--seed", 0), default=1234)
     g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
                    help="transformer_engine only where Transformer Engine is importable")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
@@ -97,24 +126,26 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("data")
     g.add_argument("--mock-data", action="store_true",
                    help="synthetic tokens (the default when no --data-path is given)")
-    g.add_argument("--data-path", default=None,
+    g.add_argument("--data-path", type=_path("--data-path"), default=None,
                    help="prefix of a Megatron indexed dataset (PREFIX.bin / PREFIX.idx)")
     g.add_argument("--split", default="969,30,1", help="train,valid,test weights")
     g.add_argument("--tokenizer-type", default=None,
                    choices=["SentencePieceTokenizer", "NullTokenizer"])
-    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--tokenizer-model", type=_path("--tokenizer-model"), default=None)
     g = p.add_argument_group("evaluation, checkpoints and logging")
     g.add_argument("--eval-interval", type=_positive("--eval-interval"), default=None)
     g.add_argument("--eval-iters", type=_positive("--eval-iters"), default=2)
-    g.add_argument("--save", default=None, help="checkpoint directory to write")
-    g.add_argument("--load", default=None, help="checkpoint directory to resume from")
+    g.add_argument("--save", type=_path("--save"), default=None,
+                   help="checkpoint directory to write")
+    g.add_argument("--load", type=_path("--load"), default=None,
+                   help="checkpoint directory to resume from")
     g.add_argument("--save-interval", type=_positive("--save-interval"), default=None)
     g.add_argument("--exit-interval", type=_positive("--exit-interval"), default=None,
                    help="stop (evaluate, save with --save) when the iteration is a multiple "
                         "of this; resume with --load and the same --train-iters")
     g.add_argument("--log-interval", type=_positive("--log-interval"), default=1)
-    g.add_argument("--tensorboard-dir", default=None)
-    g.add_argument("--metrics-file", default=None,
+    g.add_argument("--tensorboard-dir", type=_path("--tensorboard-dir"), default=None)
+    g.add_argument("--metrics-file", type=_path("--metrics-file"), default=None,
                    help="append one JSON object per logged iteration (and a final one)")
     g = p.add_argument_group("pipeline schedule")
     g.add_argument("--pipeline-schedule", default="paci",
@@ -213,6 +244,9 @@ def validate(args: argparse.Namespace, world_size: int) -> ScheduleOptions:
 
 
 def _validate_data_and_outputs(args) -> None:
+    if args.tokenizer_model is not None and not os.path.isfile(args.tokenizer_model):
+        raise ConfigError(f"--tokenizer-model {args.tokenizer_model}: no such file; run "
+                          "python -m paci_megatron.preprocess_data first")
     if args.data_path is not None and args.mock_data:
         raise ConfigError("--mock-data and --data-path are exclusive; drop one")
     if args.data_path is not None:

@@ -278,6 +278,9 @@ def _log_iteration(job: Job, step: Dict, elapsed_ms: float) -> None:
 
 def train(args, opts: ScheduleOptions) -> Dict:
     job = setup(args, opts)
+    info = job.info
+    _log(f"[paci] rank {info['rank']} = pipeline stage {info['pp_rank']}, "
+         f"tensor rank {info['tp_rank']}, data rank {info['dp_rank']}")
     if job.reporter:
         fb = job.forward_backward
         _log(f"> forward-backward function: {getattr(fb, '__module__', '')}."

@@ -2,12 +2,29 @@
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a launcher and all its descendants: torchrun starts each worker in a session of
+    its own, so killing the launcher's process group alone would leave the workers running."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = root.children(recursive=True) + [root]
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
 
 
 def _tail(text: str, limit: int = 6000) -> str:
@@ -43,7 +60,7 @@ def run_torchrun(
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: our own session
+        kill_tree(proc.pid)  # torchrun and every worker
         out, err = proc.communicate()
         raise AssertionError(
             f"timed out after {timeout}s (hang?): {' '.join(cmd)}\n"

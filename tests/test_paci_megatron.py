@@ -30,7 +30,8 @@ def _launch(tmp_path_factory, name, nproc, cases, timeout):
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     return _launch(tmp_path_factory, "p2", 2,
-                   ["flush_equals_stock_p2", "paci_drift_p2", "drain_replays"], timeout=240)
+                   ["flush_equals_stock_p2", "paci_drift_p2", "drain_replays", "nonfinite_skip"],
+                   timeout=240)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,8 @@ def four_ranks(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory):
-    return _launch(tmp_path_factory, "p1", 1, ["p1_equals_accumulation"], timeout=180)
+    return _launch(tmp_path_factory, "p1", 1, ["p1_equals_accumulation", "nonfinite_abort"],
+                   timeout=180)
 
 
 @pytest.mark.parametrize("P", [2, 4])
@@ -128,3 +130,19 @@ def test_paci_drift_equals_bound_at_p8(tmp_path_factory):
     rows = _drift_rows(load, "paci_drift_p8")
     for a in (1, 2, 4, 8):
         assert [row[str(a)]["max"] for row in rows] == [-(-(7 - s) // a) for s in range(8)]
+
+
+def test_nonfinite_gradient_skips_that_stage_update(two_ranks):
+    for r in two_ranks("nonfinite_skip"):
+        # micro-batch 9 belongs to the third group of 4: that step, and only it, is skipped
+        assert r["skipped"] == 1 and r["ok"] == [True, True, False, True, True, True]
+        assert r["digest_finite"]
+        if r["losses"]:
+            finite = [x for i, x in enumerate(r["losses"]) if i != 9]
+            assert all(0 < x < 10 for x in finite)
+
+
+def test_nonfinite_abort_names_stage_and_step(one_rank):
+    (r,) = one_rank("nonfinite_abort")
+    assert "stage 0: non-finite gradient at the local step after micro-batch 7" in r["message"]
+    assert "--paci-on-nonfinite abort" in r["message"]

@@ -105,7 +105,7 @@ def init_distributed(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
-        distributed_timeout_minutes=max(1, int(round(timeout_s / 60.0))),
+        distributed_timeout_minutes=timeout_s / 60.0,  # timedelta(minutes=...) takes floats
     )
     set_random_seed(seed)
     return stage_info()
@@ -132,6 +132,7 @@ def stage_info() -> Dict[str, int]:
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     return dict(
+        rank=torch.distributed.get_rank(),
         pp_rank=pp_rank,
         pp_size=pp_size,
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),

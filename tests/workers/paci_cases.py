@@ -220,6 +220,57 @@ def case_drain_replays(out_dir: str) -> None:
                                           reference=reference, dropped=dropped))
 
 
+def _poison(rt: PaciRuntime, stage: int, mb: int):
+    """A forward step that turns micro-batch ``mb``'s output into NaN at ``stage``."""
+
+    def forward_step(data_iterator, model):
+        out, loss = build.gpt_forward_step(data_iterator, model)
+        if rt.stage == stage and rt.data.current == mb:
+            out = out * float("nan")
+        return out, loss
+
+    return forward_step
+
+
+def case_nonfinite_skip(out_dir: str) -> None:
+    """A NaN loss at the last stage: both stages see non-finite gradients at that group's step
+    and skip exactly that update; training goes on with finite losses."""
+    ctx = setup(pp=2)
+    rt = make_runtime(ctx, "paci", 4)
+    losses = train_runtime(ctx, rt, 6, 4, forward_step_func=_poison(rt, 1, 9))
+    finish("nonfinite_skip", out_dir, dict(
+        stage=rt.stage, skipped=rt.skipped_steps,
+        ok=[s.update_successful for s in rt.steps],
+        losses=[float.fromhex(x) for x in losses], digest_finite=all(
+            bool(torch.isfinite(p).all()) for c in ctx["model"] for p in c.parameters())))
+
+
+def case_nonfinite_abort(out_dir: str) -> None:
+    ctx = setup(pp=1)
+    rt = make_runtime(ctx, "paci", 4, on_nonfinite="abort")
+    message = None
+    try:
+        train_runtime(ctx, rt, 3, 4, forward_step_func=_poison(rt, 0, 5))
+    except Exception as exc:  # the executor wraps it with the stage and action
+        message = str(exc)
+    finish("nonfinite_abort", out_dir, dict(message=message))
+
+
+def case_raise_in_forward(out_dir: str) -> None:
+    """Stage 1 raises in a forward: the whole job must stop (not hang)."""
+    ctx = setup(pp=4)
+    rt = make_runtime(ctx, "paci", 4)
+
+    def forward_step(data_iterator, model):
+        if rt.stage == 1 and rt.data.current == 10:
+            raise RuntimeError("injected failure in forward")
+        return build.gpt_forward_step(data_iterator, model)
+
+    print(f"[paci-test] rank {torch.distributed.get_rank()} = pipeline stage {rt.stage}",
+          flush=True)
+    train_runtime(ctx, rt, 50, 4, forward_step_func=forward_step)
+
+
 CASES = {
     "flush_equals_stock_p2": lambda d: case_flush_equals_stock(2, d),
     "flush_equals_stock_p4": lambda d: case_flush_equals_stock(4, d),
@@ -230,6 +281,9 @@ CASES = {
     "layout_tp1_pp2": lambda d: case_layout(1, 2, d),
     "layout_tp2_pp2": lambda d: case_layout(2, 2, d),
     "drain_replays": case_drain_replays,
+    "nonfinite_skip": case_nonfinite_skip,
+    "nonfinite_abort": case_nonfinite_abort,
+    "raise_in_forward": case_raise_in_forward,
 }
 
 

@@ -1,0 +1,71 @@
+"""Every value-taking flag of pretrain_gpt_paci.py, tried with bad values: each is refused
+with the flag named (exit code 2, argparse style), before any process group exists."""
+
+import pytest
+
+from paci_megatron.arguments import build_parser, parse_and_validate
+
+BASE = ["--untie-embeddings-and-output-weights"]
+BAD_VALUES = ["-1", "0", "abc", "", "1e400"]
+
+# values that are legitimate for a flag (a name, a path to create, a seed of 0, ...)
+ACCEPTED = {
+    ("--seed", "0"), ("--lr", "0"), ("--min-lr", "0"), ("--weight-decay", "0"),
+    ("--hidden-dropout", "0"), ("--attention-dropout", "0"), ("--clip-grad", "0"),
+    ("--lr-warmup-iters", "0"), ("--adam-beta1", "0"), ("--adam-beta2", "0"),
+    ("--save", "abc"), ("--save", "0"), ("--save", "-1"), ("--save", "1e400"),
+    ("--metrics-file", "abc"), ("--metrics-file", "0"), ("--metrics-file", "-1"),
+    ("--metrics-file", "1e400"),
+    ("--tensorboard-dir", "abc"), ("--tensorboard-dir", "0"), ("--tensorboard-dir", "-1"),
+    ("--tensorboard-dir", "1e400"),
+}
+
+
+def _value_flags():
+    for action in build_parser()._actions:
+        if action.option_strings and action.nargs != 0 and action.dest != "help":
+            yield action.option_strings[0]
+
+
+FLAGS = sorted(set(_value_flags()))
+
+
+def test_the_table_covers_the_flags():
+    assert len(FLAGS) >= 45 and "--paci-accumulation-factor" in FLAGS
+
+
+@pytest.mark.parametrize("flag", FLAGS)
+def test_bad_values_are_refused_with_the_flag_named(flag, capsys):
+    accepted = []
+    for value in BAD_VALUES:
+        if (flag, value) in ACCEPTED:
+            continue
+        try:
+            parse_and_validate(BASE + [flag, value], world_size=2)
+        except SystemExit as exc:
+            assert exc.code == 2
+        else:
+            accepted.append(value)
+            continue
+        err = capsys.readouterr().err
+        assert flag in err or flag.lstrip("-") in err, (flag, value, err)
+        assert "Traceback" not in err
+    assert not accepted, f"{flag} accepted {accepted}"
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--fp16"], "--fp16"),
+    (["--fp16", "--bf16"], "exclusive"),
+    (["--pipeline-schedule", "paci", "--num-layers-per-virtual-pipeline-stage", "1",
+      "--num-layers", "4"], "virtual"),
+    (["--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size 3"),
+    (["--save-interval", "5"], "--save-interval needs --save"),
+    (["--recompute-granularity", "full"], "--recompute-method"),
+    (["--mock-data", "--data-path", "x"], "exclusive"),
+    (["--min-lr", "1", "--lr", "0.1"], "--min-lr"),
+])
+def test_inconsistent_combinations_are_refused(argv, match, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_and_validate(BASE + argv, world_size=2)
+    assert exit_info.value.code == 2
+    assert match in capsys.readouterr().err
