@@ -21,7 +21,8 @@ setup(
         "sentencepiece",  # tokenizer for real data (preprocess_data, --tokenizer-model)
     ],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout", "sentencepiece", "tensorboard"],
+        "test": ["pytest>=7", "pytest-timeout", "sentencepiece", "tensorboard", "matplotlib"],
+        "bench": ["matplotlib"],
         "data": ["sentencepiece"],
         "tensorboard": ["tensorboard"],
         # Transformer Engine and Apex need CUDA; used only when importable

@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "of this; resume with --load and the same --train-iters")
     g.add_argument("--log-interval", type=_positive("--log-interval"), default=1)
     g.add_argument("--tensorboard-dir", type=_path("--tensorboard-dir"), default=None)
+    g.add_argument("--measure-activation-memory", action="store_true",
+                   help="count the bytes autograd keeps for backward (per stage peak in the "
+                        "final metrics record)")
     g.add_argument("--metrics-file", type=_path("--metrics-file"), default=None,
                    help="append one JSON object per logged iteration (and a final one)")
     g = p.add_argument_group("pipeline schedule")

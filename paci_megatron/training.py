@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional
 
 from .mcore import build, checkpoint
 from .mcore import runtime as mcore_runtime
+from .memory import SavedTensorMeter
 from .registry import SCHEDULES, ScheduleOptions
 
 
@@ -52,6 +53,9 @@ class Job:
     tensorboard: Any = None
     uninstall: Any = None  # restores Megatron's own get_forward_backward_func
     last_eval: Optional[tuple] = None  # (iteration, validation loss)
+    forward_step: Any = None  # build.gpt_forward_step, metered with --measure-activation-memory
+    meter: Any = None
+    started: float = field(default_factory=time.perf_counter)
 
 
 def _gpt_spec(args):
@@ -105,9 +109,12 @@ def _batches(job: Job, dataset, start: int):
 
     if not (job.info["is_first"] or job.info["is_last"]):
         return None
-    it = data.gpt_batches(dataset, job.args.micro_batch_size, start_sample=start,
-                          dp_rank=job.info["dp_rank"], dp_size=job.info["dp_size"])
-    return [it] * len(job.model) if len(job.model) > 1 else it
+    def batches():
+        return data.gpt_batches(dataset, job.args.micro_batch_size, start_sample=start,
+                                dp_rank=job.info["dp_rank"], dp_size=job.info["dp_size"])
+
+    # like Megatron-LM: one iterator per model chunk, each reading the same stream
+    return [batches() for _ in job.model] if len(job.model) > 1 else batches()
 
 
 def setup(args, opts: ScheduleOptions) -> Job:
@@ -146,6 +153,10 @@ def setup(args, opts: ScheduleOptions) -> Job:
             _log(f"> loaded checkpoint from {args.load} at iteration {job.iteration} "
                  f"({job.consumed} samples consumed)")
     job.train_data = _batches(job, datasets[0], job.consumed)
+    job.forward_step = build.gpt_forward_step
+    if args.measure_activation_memory:
+        job.meter = SavedTensorMeter(p for chunk in model for p in chunk.parameters())
+        job.forward_step = job.meter.wrap(build.gpt_forward_step)
     if reporter and args.metrics_file:
         job.metrics = open(args.metrics_file, "a")
     if reporter and args.tensorboard_dir:
@@ -191,7 +202,7 @@ def train_step(job: Job) -> Dict:
             chunk.zero_grad_buffer()
         job.optimizer.zero_grad()
     losses = job.forward_backward(
-        forward_step_func=build.gpt_forward_step, data_iterator=job.train_data, model=job.model,
+        forward_step_func=job.forward_step, data_iterator=job.train_data, model=job.model,
         num_microbatches=args.num_microbatches, seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, forward_only=False)
     if job.runtime is None:
@@ -270,6 +281,7 @@ def _log_iteration(job: Job, step: Dict, elapsed_ms: float) -> None:
          f"tokens/s: {tokens_per_s:.0f} | learning rate: {lr:.4e} | lm loss: "
          f"{step['loss']:.6e} | grad norm: {gn}{drift_text}")
     _write_metrics(job, {"iteration": job.iteration, "consumed_samples": job.consumed,
+                         "wall_s": time.perf_counter() - job.started,
                          "lm_loss": step["loss"], "lr": lr, "elapsed_ms": elapsed_ms,
                          "tokens_per_sec": tokens_per_s, "grad_norm": step["grad_norm"],
                          "max_drift": drift if drift is not None else [0] * job.info["pp_size"],
@@ -313,6 +325,14 @@ def train(args, opts: ScheduleOptions) -> Dict:
     return summary
 
 
+def _memory_record(job: Job) -> Dict:
+    """This stage's peaks: resident memory of the process (device memory on CUDA) and, with
+    --measure-activation-memory, the bytes saved for backward."""
+    activation = job.meter.peak / 2**20 if job.meter is not None else None
+    return {"stage": job.info["pp_rank"], "peak_rss_mb": build.peak_memory_mb(),
+            "peak_activation_mb": activation}
+
+
 def finish(job: Job) -> Dict:
     args = job.args
     summary: Dict[str, Any] = {"schedule": args.pipeline_schedule, "losses": job.history,
@@ -333,9 +353,14 @@ def finish(job: Job) -> Dict:
     summary["validation_loss"] = validation
     if args.save:
         save(job)
+    memory = mcore_runtime.gather_across_pipeline(_memory_record(job))
+    summary["memory"] = memory
     _write_metrics(job, {"final": True, "iteration": job.iteration,
                          "consumed_samples": job.consumed, "validation_loss": validation,
-                         "max_drift": [r["max"] for r in summary.get("drift", [])]})
+                         "wall_s": time.perf_counter() - job.started,
+                         "max_drift": [r["max"] for r in summary.get("drift", [])],
+                         "peak_rss_mb": [m["peak_rss_mb"] for m in memory],
+                         "peak_activation_mb": [m["peak_activation_mb"] for m in memory]})
     if job.uninstall is not None:
         job.uninstall()
     if job.reporter:

@@ -144,6 +144,15 @@ def stage_info() -> Dict[str, int]:
     )
 
 
+def peak_memory_mb() -> float:
+    """Peak device memory allocated on CUDA; peak resident memory of the process on CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
 def _is_gloo() -> bool:
     return (
         torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo"

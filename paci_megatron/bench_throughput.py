@@ -1,0 +1,451 @@
+"""Throughput of 1F1B-flush vs PACI on sleep-costed ("GPU-like") pipeline stages.
+
+``python -m paci_megatron.bench_throughput [--quick] [--trace /tmp/paci_trace.json]``
+
+One process per stage (gloo, 127.0.0.1). Every forward sleeps ``tf`` and every backward ``tb``,
+so P sleeping processes on a few cores behave like P accelerators; the per-stage action lists
+come from ``schedule.plan_stream`` and run through the real ``StageExecutor``, and activations
+and gradients (a small float32 tensor) travel over real gloo point-to-point messages.
+
+For each (P, M) with a = M (one optimizer step per update), each schedule runs W warm-up
+updates and K timed ones; time per update is the slowest stage's wall time for the K updates
+divided by K. The same action lists are timed by ``simulate.run_lockstep`` with the same costs
+and zero communication latency, which gives the "simulated" columns.
+
+Interleaved 1F1B is not measured: its virtual chunks wrap from the last stage back to the
+first and several chunks share one stage, which ``schedule.py``'s channels and the lockstep
+simulator (one clock per list) cannot express. It is reported from its closed-form time
+``(M + (P-1)/v) * (tf+tb)`` as "interleaved (model)", where Megatron accepts it (M % P == 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from .executor import DriftStats, StageExecutor
+from .schedule import RECV_OPS, SEND_OPS, Action, Op, Schedule, drift_bound, peer, plan_stream
+from .simulate import Costs, Event, run_lockstep
+
+KINDS = ("flush", "paci")
+COMPUTE_NAMES = {Op.FORWARD: "compute", Op.BACKWARD: "compute", Op.STEP: "step"}
+
+# One traced action: (name, category, start seconds, end seconds).
+Span = Tuple[str, str, float, float]
+
+
+@dataclass(frozen=True)
+class Bench:
+    """What every configuration shares: per-action costs (seconds) and how long to run."""
+
+    forward_s: float
+    backward_s: float
+    step_s: float
+    warmup: int
+    updates: int
+    tensor_side: int
+    timeout_s: float
+
+    def costs(self) -> Costs:
+        return Costs(self.forward_s, self.backward_s, self.step_s)
+
+    @property
+    def calls(self) -> int:
+        return self.warmup + self.updates
+
+
+# --- one stage: the handlers the executor drives ------------------------------------------
+
+def _tag(action: Action) -> int:
+    # Activations and gradients on different tags, so a pair's two directions never mix even
+    # if both ever ran over one (src, dst) pair; gloo keeps order per (peer, tag).
+    return 0 if action.op in (Op.SEND_F, Op.RECV_F) else 1
+
+
+class SleepStage:
+    """Executor handlers: compute is a sleep, communication is real gloo P2P.
+
+    Sends are posted with ``isend`` and only waited on in ``finish``: a gloo send completes
+    when the receiver posts its receive, so waiting on it at once would deadlock 1F1B's
+    crossing send/receive pattern. Each payload carries its micro-batch id, which the receiver
+    checks, so a mismatched message fails loudly instead of skewing the timings.
+    """
+
+    def __init__(self, stage: int, bench: Bench):
+        self.stage = stage
+        self.bench = bench
+        self.pending: list = []  # (Work, tensor): the tensor must outlive the send
+        self.spans: List[Span] = []
+
+    def forward(self, mb: int) -> None:
+        self._sleep(f"F{mb}", "compute", self.bench.forward_s)
+
+    def backward(self, mb: int) -> None:
+        self._sleep(f"B{mb}", "compute", self.bench.backward_s)
+
+    def step(self, mb: int) -> None:
+        self._sleep(f"T{mb}", "step", self.bench.step_s)
+
+    def communicate(self, actions: Sequence[Action]) -> None:
+        start = time.perf_counter()
+        for act in actions:  # post every send first: they never block
+            if act.op in SEND_OPS:
+                self.pending.append(self._isend(act))
+        receives = [(act,) + self._irecv(act) for act in actions if act.op in RECV_OPS]
+        for act, work, buf in receives:
+            work.wait()
+            if int(buf[0, 0]) != act.mb:
+                raise RuntimeError(f"stage {self.stage}: {act} received micro-batch "
+                                   f"{int(buf[0, 0])}")
+        self.spans.append((" ".join(map(str, actions)), "comm", start, time.perf_counter()))
+
+    def finish(self) -> None:
+        for work, _ in self.pending:
+            work.wait()
+        self.pending.clear()
+
+    def _sleep(self, name: str, category: str, seconds: float) -> None:
+        start = time.perf_counter()
+        if seconds > 0:
+            time.sleep(seconds)
+        self.spans.append((name, category, start, time.perf_counter()))
+
+    def _isend(self, act: Action) -> tuple:
+        import torch
+        import torch.distributed as dist
+
+        payload = torch.full((self.bench.tensor_side,) * 2, float(act.mb))
+        return dist.isend(payload, dst=peer(self.stage, act.op), tag=_tag(act)), payload
+
+    def _irecv(self, act: Action) -> tuple:
+        import torch
+        import torch.distributed as dist
+
+        buf = torch.empty((self.bench.tensor_side,) * 2)
+        return dist.irecv(buf, src=peer(self.stage, act.op), tag=_tag(act)), buf
+
+
+def measure_stage(stage: int, num_stages: int, kind: str, microbatches: int,
+                  bench: Bench) -> dict:
+    """Run W + K calls of one schedule on this stage; time the last K."""
+    import torch.distributed as dist
+
+    plan = plan_stream(kind, num_stages, microbatches, microbatches)
+    # The executor enforces the drift bound, so the benchmark also checks what it runs.
+    bound = drift_bound(num_stages, stage, microbatches) if kind == "paci" else 0
+    handlers = SleepStage(stage, bench)
+    executor = StageExecutor(stage, handlers, DriftStats(stage, bound))
+    dist.barrier()  # all stages start the schedule together
+    for k in range(bench.warmup):
+        executor.run(plan.call(k)[stage])
+    start = time.perf_counter()
+    for k in range(bench.warmup, bench.calls):
+        executor.run(plan.call(k)[stage])
+    elapsed = time.perf_counter() - start
+    handlers.finish()
+    dist.barrier()  # nobody starts the next schedule while a peer still sends this one's
+    return {"elapsed": elapsed, "timed_from": start, "spans": handlers.spans}
+
+
+def _worker(rank: int, num_stages: int, port: int, microbatches: Sequence[int], bench: Bench,
+            trace_m: Optional[int], out_path: str) -> None:
+    """Process entry: every (M, schedule) for this P; rank 0 writes all stages' results."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)  # P processes share few cores; they must only sleep and talk
+    dist.init_process_group("gloo", rank=rank, world_size=num_stages,
+                            timeout=timedelta(seconds=bench.timeout_s))
+    try:
+        results = []
+        for m in microbatches:
+            for kind in KINDS:
+                run = measure_stage(rank, num_stages, kind, m, bench)
+                if m != trace_m:
+                    run["spans"] = []  # only the traced configuration ships its timeline
+                gathered = [None] * num_stages if rank == 0 else None
+                dist.gather_object(run, gathered, dst=0)
+                results.append({"M": m, "kind": kind, "stages": gathered})
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(results, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def measure(num_stages: int, microbatches: Sequence[int], bench: Bench,
+            trace_m: Optional[int]) -> Dict[Tuple[int, str], List[dict]]:
+    """Launch P stage processes once and measure every M and schedule in them (a launch
+    costs seconds of imports; the measurements themselves are only timed in steady state)."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "results.json")
+        mp.spawn(_worker, nprocs=num_stages, join=True,
+                 args=(num_stages, _free_port(), list(microbatches), bench, trace_m, out_path))
+        with open(out_path) as f:
+            results = json.load(f)
+    return {(r["M"], r["kind"]): r["stages"] for r in results}
+
+
+# --- simulation of the same action lists ---------------------------------------------------
+
+def stream_schedule(kind: str, num_stages: int, microbatches: int, calls: int) -> Schedule:
+    """The calls 0..calls-1 of the stream, concatenated per stage: what each stage ran."""
+    plan = plan_stream(kind, num_stages, microbatches, microbatches)
+    lists = tuple(
+        tuple(act for k in range(calls) for act in plan.call(k)[s]) for s in range(num_stages)
+    )
+    return Schedule(f"{kind}-stream", num_stages, microbatches, calls * microbatches, lists)
+
+
+def simulate_stream(kind: str, num_stages: int, microbatches: int,
+                    bench: Bench) -> Tuple[float, List[List[Event]]]:
+    """Simulated time per update (slowest stage over the timed calls) and the timeline.
+
+    ``run_lockstep`` rather than ``simulate``: a PACI stream cut after a call still has
+    forwards in flight, which ``simulate``'s whole-schedule checks reject by design.
+    """
+    plan = plan_stream(kind, num_stages, microbatches, microbatches)
+    sched = stream_schedule(kind, num_stages, microbatches, bench.calls)
+    events = run_lockstep(sched, bench.costs())
+    worst = 0.0
+    for s, evs in enumerate(events):
+        before = sum(len(plan.call(k)[s]) for k in range(bench.warmup))
+        start = evs[before - 1].end if before else 0.0  # the timer starts as call W is entered
+        worst = max(worst, evs[-1].end - start)
+    return worst / bench.updates, events
+
+
+# --- results -----------------------------------------------------------------------------
+
+def per_update(stages: List[dict], bench: Bench) -> Tuple[float, List[float]]:
+    times = [st["elapsed"] / bench.updates for st in stages]
+    return max(times), times
+
+
+def interleaved_model(num_stages: int, microbatches: int, chunks: int,
+                      bench: Bench) -> Optional[float]:
+    """Closed-form interleaved 1F1B time per update; None where Megatron refuses it."""
+    if chunks < 2 or microbatches % num_stages:
+        return None
+    return (microbatches + (num_stages - 1) / chunks) * (bench.forward_s + bench.backward_s)
+
+
+def summarize(num_stages: int, microbatches: int, runs: Dict[str, List[dict]], bench: Bench,
+              chunks: int) -> dict:
+    P, M = num_stages, microbatches
+    t_flush, flush_stages = per_update(runs["flush"], bench)
+    t_paci, paci_stages = per_update(runs["paci"], bench)
+    sim_flush, _ = simulate_stream("flush", P, M, bench)
+    sim_paci, _ = simulate_stream("paci", P, M, bench)
+    ideal = M * (bench.forward_s + bench.backward_s)
+    ideal_ratio = (M + P - 1) / M
+    ratio = t_flush / t_paci
+    sim_ratio = sim_flush / sim_paci
+    return {
+        "P": P, "M": M, "a": M,
+        "forward_ms": bench.forward_s * 1e3, "backward_ms": bench.backward_s * 1e3,
+        "step_ms": bench.step_s * 1e3, "warmup": bench.warmup, "updates": bench.updates,
+        "sec_per_update_1f1b": t_flush,
+        "sec_per_update_paci": t_paci,
+        "sec_per_update_interleaved_model": interleaved_model(P, M, chunks, bench),
+        "virtual_chunks": chunks,
+        "sec_per_update_ideal": ideal,
+        "ratio": ratio,
+        "ideal_ratio": ideal_ratio,
+        "ratio_over_ideal": ratio / ideal_ratio,
+        "paci_over_ideal": t_paci / ideal,
+        "simulated_sec_per_update_1f1b": sim_flush,
+        "simulated_sec_per_update_paci": sim_paci,
+        "simulated_ratio": sim_ratio,
+        "measured_vs_simulated_1f1b": t_flush / sim_flush - 1,
+        "measured_vs_simulated_paci": t_paci / sim_paci - 1,
+        "measured_vs_simulated_ratio": ratio / sim_ratio - 1,
+        "stage_sec_per_update_1f1b": flush_stages,
+        "stage_sec_per_update_paci": paci_stages,
+    }
+
+
+TABLE_COLUMNS = (
+    # (header, key, format)
+    ("P", "P", "{:d}"), ("M", "M", "{:d}"), ("a", "a", "{:d}"),
+    ("1F1B s/upd", "sec_per_update_1f1b", "{:.4f}"),
+    ("interleaved (model) s/upd", "sec_per_update_interleaved_model", "{:.4f}"),
+    ("PACI s/upd", "sec_per_update_paci", "{:.4f}"),
+    ("ratio 1F1B/PACI", "ratio", "{:.3f}"),
+    ("ideal (M+P-1)/M", "ideal_ratio", "{:.3f}"),
+    ("ratio/ideal", "ratio_over_ideal", "{:.1%}"),
+    ("ideal s/upd", "sec_per_update_ideal", "{:.4f}"),
+    ("PACI/ideal", "paci_over_ideal", "{:.3f}"),
+    ("sim 1F1B", "simulated_sec_per_update_1f1b", "{:.4f}"),
+    ("sim PACI", "simulated_sec_per_update_paci", "{:.4f}"),
+    ("sim ratio", "simulated_ratio", "{:.3f}"),
+    ("meas/sim-1 1F1B", "measured_vs_simulated_1f1b", "{:+.1%}"),
+    ("meas/sim-1 PACI", "measured_vs_simulated_paci", "{:+.1%}"),
+    ("meas/sim-1 ratio", "measured_vs_simulated_ratio", "{:+.1%}"),
+)
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    """A Markdown table, one row per configuration ("n/a" where a schedule does not apply)."""
+    head = "| " + " | ".join(h for h, _, _ in TABLE_COLUMNS) + " |"
+    sep = "|" + "---|" * len(TABLE_COLUMNS)
+    body = [
+        "| " + " | ".join("n/a" if row[key] is None else fmt.format(row[key])
+                          for _, key, fmt in TABLE_COLUMNS) + " |"
+        for row in rows
+    ]
+    return "\n".join([head, sep] + body)
+
+
+# --- Chrome traces -----------------------------------------------------------------------
+
+def chrome_trace(timelines: Dict[str, List[List[Span]]]) -> dict:
+    """{"traceEvents": [...]}: one pid per schedule, one tid per stage, times in microseconds
+    from the schedule's earliest span."""
+    events: List[dict] = []
+    for pid, (label, stages) in enumerate(timelines.items()):
+        events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
+                       "args": {"name": label}})
+        origin = min((sp[2] for spans in stages for sp in spans), default=0.0)
+        for tid, spans in enumerate(stages):
+            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
+                           "args": {"name": f"stage {tid}"}})
+            events += [
+                {"name": name, "cat": cat, "ph": "X", "pid": pid, "tid": tid,
+                 "ts": (start - origin) * 1e6, "dur": (end - start) * 1e6}
+                for name, cat, start, end in spans
+            ]
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def simulated_spans(events: List[List[Event]]) -> List[List[Span]]:
+    # Receives take no time in the simulator (waiting shows as a gap), so only F/B/T appear.
+    return [[(str(e.action), COMPUTE_NAMES[e.action.op], e.start, e.end)
+             for e in evs if e.action.op in COMPUTE_NAMES] for evs in events]
+
+
+def sim_trace_path(path: str) -> str:
+    stem = path[: -len(".json")] if path.endswith(".json") else path
+    return stem + ".sim.json"
+
+
+def write_traces(path: str, num_stages: int, microbatches: int,
+                 runs: Dict[str, List[dict]], bench: Bench) -> Tuple[str, str]:
+    label = {"flush": "1F1B flush", "paci": "PACI"}
+    measured = {f"{label[k]} measured (P={num_stages} M={microbatches})":
+                [st["spans"] for st in runs[k]] for k in KINDS}
+    simulated = {f"{label[k]} simulated (P={num_stages} M={microbatches})":
+                 simulated_spans(simulate_stream(k, num_stages, microbatches, bench)[1])
+                 for k in KINDS}
+    sim_path = sim_trace_path(path)
+    for target, timelines in ((path, measured), (sim_path, simulated)):
+        with open(target, "w") as f:
+            json.dump(chrome_trace(timelines), f)
+    return path, sim_path
+
+
+# --- command line ------------------------------------------------------------------------
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m paci_megatron.bench_throughput",
+        description="Time per update of 1F1B-flush and PACI on sleep-costed stages (one "
+                    "process per stage, gloo P2P, the real StageExecutor), next to the "
+                    "simulator's prediction for the same action lists.")
+    parser.add_argument("--stages", type=int, nargs="+", default=[4, 8], metavar="P")
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16], metavar="M",
+                        help="micro-batches per update; the accumulation factor a is M")
+    parser.add_argument("--forward-ms", type=float, default=20.0)
+    parser.add_argument("--backward-ms", type=float, default=40.0)
+    parser.add_argument("--step-ms", type=float, default=0.0)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed updates W (>= 1)")
+    parser.add_argument("--updates", type=int, default=8, help="timed updates K")
+    parser.add_argument("--virtual-chunks", type=int, default=2,
+                        help="v of the interleaved 1F1B model")
+    parser.add_argument("--tensor-side", type=int, default=64,
+                        help="messages are side x side float32 tensors")
+    parser.add_argument("--timeout-s", type=float, default=300.0,
+                        help="gloo timeout: a hung schedule fails instead of waiting forever")
+    parser.add_argument("--trace", metavar="PATH",
+                        help="write a Chrome trace of one configuration (and PATH .sim.json)")
+    parser.add_argument("--trace-config", type=int, nargs=2, metavar=("P", "M"),
+                        help="the configuration to trace (default: the first)")
+    parser.add_argument("--quick", action="store_true",
+                        help="P=4, M=4, 10/20 ms, 2+4 updates: a smoke run of a few seconds")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.stages, args.microbatches = [4], [4]
+        args.forward_ms, args.backward_ms, args.warmup, args.updates = 10.0, 20.0, 2, 4
+    check_args(parser, args)
+    return args
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if min(args.stages) < 1 or min(args.microbatches) < 1:
+        parser.error("--stages and --microbatches take positive integers")
+    if args.warmup < 1:
+        parser.error("--warmup must be >= 1: PACI's first update fills the pipeline")
+    if args.updates < 1:
+        parser.error("--updates must be >= 1")
+    if min(args.forward_ms, args.backward_ms, args.step_ms) < 0:
+        parser.error("costs must be >= 0 ms")
+    if args.forward_ms + args.backward_ms <= 0:
+        parser.error("--forward-ms + --backward-ms must be > 0")
+    if args.trace_config is None:
+        args.trace_config = [args.stages[0], args.microbatches[0]]
+    if args.trace and (args.trace_config[0] not in args.stages
+                       or args.trace_config[1] not in args.microbatches):
+        parser.error(f"--trace-config {args.trace_config} is not among the measured "
+                     "--stages and --microbatches")
+
+
+def bench_from_args(args: argparse.Namespace) -> Bench:
+    return Bench(args.forward_ms / 1e3, args.backward_ms / 1e3, args.step_ms / 1e3,
+                 args.warmup, args.updates, args.tensor_side, args.timeout_s)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    bench = bench_from_args(args)
+    rows, trace_runs = [], None
+    for P in args.stages:
+        trace_m = args.trace_config[1] if args.trace and P == args.trace_config[0] else None
+        measured = measure(P, args.microbatches, bench, trace_m)
+        for M in args.microbatches:
+            runs = {kind: measured[(M, kind)] for kind in KINDS}
+            rows.append(summarize(P, M, runs, bench, args.virtual_chunks))
+            if M == trace_m:
+                trace_runs = (P, M, runs)
+    print(f"tf={args.forward_ms:g} ms, tb={args.backward_ms:g} ms, step={args.step_ms:g} ms, "
+          f"W={bench.warmup} warm-up + K={bench.updates} timed updates per schedule; "
+          f"interleaved (model) = (M + (P-1)/v)(tf+tb), v={args.virtual_chunks}, not measured")
+    print(format_table(rows))
+    for row in rows:
+        print(json.dumps(row))
+    if trace_runs:
+        paths = write_traces(args.trace, *trace_runs, bench)
+        print(f"trace (measured): {paths[0]}\ntrace (simulated): {paths[1]}")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
