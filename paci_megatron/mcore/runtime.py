@@ -199,13 +199,18 @@ def check_no_cross_stage_grad_reduction(model, pg: ProcessGroupCollection) -> No
         raise ValueError("PACI does not support position embeddings shared across stages")
 
 
-def grads_are_finite(model) -> bool:
-    """One reduction per gradient buffer of Megatron's DDP (per parameter without one)."""
+def grads_are_finite(model, group) -> bool:
+    """One reduction per gradient buffer of Megatron's DDP (per parameter without one), then
+    agreed on over ``group`` (the stage's grad-stats group), so that the tensor- and
+    data-parallel ranks of a stage all skip or all step."""
     buffers = [b.grad_data for b in getattr(model, "buffers", [])]
     if not buffers:
         buffers = [getattr(p, "main_grad", p.grad) for p in model.parameters()]
     flags = [torch.isfinite(g).all() for g in buffers if g is not None]
-    return bool(torch.stack(flags).all()) if flags else True
+    finite = torch.stack(flags).all().float() if flags else torch.ones(())
+    if group is not None and group.size() > 1:
+        torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN, group=group)
+    return bool(finite)
 
 
 def stage_grad_stats_group(optimizer) -> Any:
@@ -312,7 +317,7 @@ class PaciRuntime:
         model = self._model
         config = get_model_config(model)
         config.finalize_model_grads_func([model], None, pg_collection=self.pg)
-        if grads_are_finite(model):
+        if grads_are_finite(model, stage_grad_stats_group(self.optimizer)):
             with keep_version_counters(list(model.parameters())):
                 ok, grad_norm, _zeros = self.optimizer.step()
         else:
