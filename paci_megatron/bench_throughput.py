@@ -9,8 +9,11 @@ and gradients (a small float32 tensor) travel over real gloo point-to-point mess
 
 For each (P, M) with a = M (one optimizer step per update), each schedule runs W warm-up
 updates and K timed ones; time per update is the slowest stage's wall time for the K updates
-divided by K. The same action lists are timed by ``simulate.run_lockstep`` with the same costs
-and zero communication latency, which gives the "simulated" columns.
+divided by K, the median over R such runs (the schedules alternate between runs). The same
+action lists are timed by ``simulate.run_lockstep`` with the same costs and zero
+communication latency ("sim"), and again with the mean message latency and sleep overshoot
+measured in the run added ("sim+overheads"), which says how much of the gap to the ideal those
+overheads explain.
 
 Interleaved 1F1B is not measured: its virtual chunks wrap from the last stage back to the
 first and several chunks share one stage, which ``schedule.py``'s channels and the lockstep
@@ -32,7 +35,8 @@ from datetime import timedelta
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .executor import DriftStats, StageExecutor
-from .schedule import RECV_OPS, SEND_OPS, Action, Op, Schedule, drift_bound, peer, plan_stream
+from .schedule import (RECV_OPS, SEND_OPS, Action, Op, Schedule, channel, drift_bound, peer,
+                       plan_stream)
 from .simulate import Costs, Event, run_lockstep
 
 KINDS = ("flush", "paci")
@@ -53,6 +57,7 @@ class Bench:
     updates: int
     tensor_side: int
     timeout_s: float
+    repeats: int = 1
 
     def costs(self) -> Costs:
         return Costs(self.forward_s, self.backward_s, self.step_s)
@@ -152,11 +157,11 @@ def measure_stage(stage: int, num_stages: int, kind: str, microbatches: int,
     elapsed = time.perf_counter() - start
     handlers.finish()
     dist.barrier()  # nobody starts the next schedule while a peer still sends this one's
-    return {"elapsed": elapsed, "timed_from": start, "spans": handlers.spans}
+    return {"elapsed": elapsed, "spans": handlers.spans}
 
 
 def _worker(rank: int, num_stages: int, port: int, microbatches: Sequence[int], bench: Bench,
-            trace_m: Optional[int], out_path: str) -> None:
+            out_path: str) -> None:
     """Process entry: every (M, schedule) for this P; rank 0 writes all stages' results."""
     import torch
     import torch.distributed as dist
@@ -169,13 +174,14 @@ def _worker(rank: int, num_stages: int, port: int, microbatches: Sequence[int], 
     try:
         results = []
         for m in microbatches:
-            for kind in KINDS:
-                run = measure_stage(rank, num_stages, kind, m, bench)
-                if m != trace_m:
-                    run["spans"] = []  # only the traced configuration ships its timeline
-                gathered = [None] * num_stages if rank == 0 else None
-                dist.gather_object(run, gathered, dst=0)
-                results.append({"M": m, "kind": kind, "stages": gathered})
+            # Schedules alternate within each repeat, so a burst of load from other processes
+            # on the machine hits one repeat of both rather than all repeats of one.
+            for _ in range(bench.repeats):
+                for kind in KINDS:
+                    run = measure_stage(rank, num_stages, kind, m, bench)
+                    gathered = [None] * num_stages if rank == 0 else None
+                    dist.gather_object(run, gathered, dst=0)
+                    results.append({"M": m, "kind": kind, "stages": gathered})
         if rank == 0:
             with open(out_path, "w") as f:
                 json.dump(results, f)
@@ -189,19 +195,22 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def measure(num_stages: int, microbatches: Sequence[int], bench: Bench,
-            trace_m: Optional[int]) -> Dict[Tuple[int, str], List[dict]]:
+def measure(num_stages: int, microbatches: Sequence[int],
+            bench: Bench) -> Dict[Tuple[int, str], List[List[dict]]]:
     """Launch P stage processes once and measure every M and schedule in them (a launch
-    costs seconds of imports; the measurements themselves are only timed in steady state)."""
+    costs seconds of imports). Returns, per (M, kind), the repeats' per-stage results."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "results.json")
         mp.spawn(_worker, nprocs=num_stages, join=True,
-                 args=(num_stages, _free_port(), list(microbatches), bench, trace_m, out_path))
+                 args=(num_stages, _free_port(), list(microbatches), bench, out_path))
         with open(out_path) as f:
             results = json.load(f)
-    return {(r["M"], r["kind"]): r["stages"] for r in results}
+    runs: Dict[Tuple[int, str], List[List[dict]]] = {}
+    for r in results:
+        runs.setdefault((r["M"], r["kind"]), []).append(r["stages"])
+    return runs
 
 
 # --- simulation of the same action lists ---------------------------------------------------
@@ -215,8 +224,8 @@ def stream_schedule(kind: str, num_stages: int, microbatches: int, calls: int) -
     return Schedule(f"{kind}-stream", num_stages, microbatches, calls * microbatches, lists)
 
 
-def simulate_stream(kind: str, num_stages: int, microbatches: int,
-                    bench: Bench) -> Tuple[float, List[List[Event]]]:
+def simulate_stream(kind: str, num_stages: int, microbatches: int, bench: Bench,
+                    costs: Optional[Costs] = None) -> Tuple[float, List[List[Event]]]:
     """Simulated time per update (slowest stage over the timed calls) and the timeline.
 
     ``run_lockstep`` rather than ``simulate``: a PACI stream cut after a call still has
@@ -224,7 +233,7 @@ def simulate_stream(kind: str, num_stages: int, microbatches: int,
     """
     plan = plan_stream(kind, num_stages, microbatches, microbatches)
     sched = stream_schedule(kind, num_stages, microbatches, bench.calls)
-    events = run_lockstep(sched, bench.costs())
+    events = run_lockstep(sched, costs or bench.costs())
     worst = 0.0
     for s, evs in enumerate(events):
         before = sum(len(plan.call(k)[s]) for k in range(bench.warmup))
@@ -233,11 +242,54 @@ def simulate_stream(kind: str, num_stages: int, microbatches: int,
     return worst / bench.updates, events
 
 
+# --- where measured time goes beyond the costs -----------------------------------------------
+
+def message_latencies(stages: List[List[Span]]) -> List[float]:
+    """Per message: seconds from the later of its send and its receive being posted to the
+    receive completing, i.e. what the transport adds (gloo's rendezvous, thread wake-ups)."""
+    sent: Dict[tuple, float] = {}
+    received: Dict[tuple, Tuple[float, float]] = {}
+    for s, spans in enumerate(stages):
+        for name, category, start, end in spans:
+            if category != "comm":
+                continue
+            for act in map(Action.parse, name.split()):
+                key = channel(s, act) + (act.mb,)
+                if act.op in SEND_OPS:
+                    sent[key] = start
+                else:
+                    received[key] = (start, end)
+    return [end - max(start, sent[key]) for key, (start, end) in received.items() if key in sent]
+
+
+def sleep_overshoot(stages: List[List[Span]], bench: Bench) -> float:
+    """Mean seconds a forward or backward sleep lasted beyond its cost."""
+    nominal = {"F": bench.forward_s, "B": bench.backward_s}
+    extra = [end - start - nominal[name[0]] for spans in stages
+             for name, category, start, end in spans if category == "compute"]
+    return sum(extra) / len(extra) if extra else 0.0
+
+
+def overhead_costs(stages: List[List[Span]], bench: Bench) -> Costs:
+    """The costs with the measured mean overheads added: if the simulator then matches the
+    measurement, those overheads (not the schedule) explain the gap to the ideal."""
+    latencies = message_latencies(stages)
+    comm = sum(latencies) / len(latencies) if latencies else 0.0
+    over = sleep_overshoot(stages, bench)
+    return Costs(bench.forward_s + over, bench.backward_s + over, bench.step_s, comm)
+
+
 # --- results -----------------------------------------------------------------------------
 
-def per_update(stages: List[dict], bench: Bench) -> Tuple[float, List[float]]:
-    times = [st["elapsed"] / bench.updates for st in stages]
-    return max(times), times
+def per_update(stages: List[dict], bench: Bench) -> float:
+    """Seconds per update of one run: its slowest stage's timed wall time over K."""
+    return max(st["elapsed"] for st in stages) / bench.updates
+
+
+def median_run(repeats: List[List[dict]], bench: Bench) -> List[dict]:
+    """The repeat with the median time per update (the upper one for an even count); its
+    timeline is the one traced and analysed, so all columns describe the same run."""
+    return sorted(repeats, key=lambda stages: per_update(stages, bench))[len(repeats) // 2]
 
 
 def interleaved_model(num_stages: int, microbatches: int, chunks: int,
@@ -248,39 +300,44 @@ def interleaved_model(num_stages: int, microbatches: int, chunks: int,
     return (microbatches + (num_stages - 1) / chunks) * (bench.forward_s + bench.backward_s)
 
 
-def summarize(num_stages: int, microbatches: int, runs: Dict[str, List[dict]], bench: Bench,
-              chunks: int) -> dict:
+def summarize(num_stages: int, microbatches: int, repeats: Dict[str, List[List[dict]]],
+              bench: Bench, chunks: int) -> dict:
+    """One configuration's row: measured, ideal, modelled and simulated times per update."""
     P, M = num_stages, microbatches
-    t_flush, flush_stages = per_update(runs["flush"], bench)
-    t_paci, paci_stages = per_update(runs["paci"], bench)
-    sim_flush, _ = simulate_stream("flush", P, M, bench)
-    sim_paci, _ = simulate_stream("paci", P, M, bench)
+    runs = {kind: median_run(repeats[kind], bench) for kind in KINDS}
+    row = {"P": P, "M": M, "a": M,
+           "forward_ms": bench.forward_s * 1e3, "backward_ms": bench.backward_s * 1e3,
+           "step_ms": bench.step_s * 1e3, "warmup": bench.warmup, "updates": bench.updates,
+           "repeats": bench.repeats}
+    for kind, suffix in (("flush", "1f1b"), ("paci", "paci")):
+        spans = [st["spans"] for st in runs[kind]]
+        costs = overhead_costs(spans, bench)
+        row[f"sec_per_update_{suffix}"] = per_update(runs[kind], bench)
+        row[f"stage_sec_per_update_{suffix}"] = [st["elapsed"] / bench.updates
+                                                 for st in runs[kind]]
+        row[f"repeats_sec_per_update_{suffix}"] = [per_update(r, bench) for r in repeats[kind]]
+        row[f"simulated_sec_per_update_{suffix}"] = simulate_stream(kind, P, M, bench)[0]
+        row[f"simulated_with_overheads_sec_per_update_{suffix}"] = \
+            simulate_stream(kind, P, M, bench, costs)[0]
+        row[f"message_latency_ms_{suffix}"] = costs.comm * 1e3
+        row[f"sleep_overshoot_ms_{suffix}"] = (costs.forward - bench.forward_s) * 1e3
     ideal = M * (bench.forward_s + bench.backward_s)
-    ideal_ratio = (M + P - 1) / M
-    ratio = t_flush / t_paci
-    sim_ratio = sim_flush / sim_paci
-    return {
-        "P": P, "M": M, "a": M,
-        "forward_ms": bench.forward_s * 1e3, "backward_ms": bench.backward_s * 1e3,
-        "step_ms": bench.step_s * 1e3, "warmup": bench.warmup, "updates": bench.updates,
-        "sec_per_update_1f1b": t_flush,
-        "sec_per_update_paci": t_paci,
+    row.update({
         "sec_per_update_interleaved_model": interleaved_model(P, M, chunks, bench),
         "virtual_chunks": chunks,
         "sec_per_update_ideal": ideal,
-        "ratio": ratio,
-        "ideal_ratio": ideal_ratio,
-        "ratio_over_ideal": ratio / ideal_ratio,
-        "paci_over_ideal": t_paci / ideal,
-        "simulated_sec_per_update_1f1b": sim_flush,
-        "simulated_sec_per_update_paci": sim_paci,
-        "simulated_ratio": sim_ratio,
-        "measured_vs_simulated_1f1b": t_flush / sim_flush - 1,
-        "measured_vs_simulated_paci": t_paci / sim_paci - 1,
-        "measured_vs_simulated_ratio": ratio / sim_ratio - 1,
-        "stage_sec_per_update_1f1b": flush_stages,
-        "stage_sec_per_update_paci": paci_stages,
-    }
+        "ratio": row["sec_per_update_1f1b"] / row["sec_per_update_paci"],
+        "ideal_ratio": (M + P - 1) / M,
+        "paci_over_ideal": row["sec_per_update_paci"] / ideal,
+        "simulated_ratio": (row["simulated_sec_per_update_1f1b"]
+                            / row["simulated_sec_per_update_paci"]),
+    })
+    row["ratio_over_ideal"] = row["ratio"] / row["ideal_ratio"]
+    for suffix in ("1f1b", "paci"):
+        row[f"measured_vs_simulated_{suffix}"] = (
+            row[f"sec_per_update_{suffix}"] / row[f"simulated_sec_per_update_{suffix}"] - 1)
+    row["measured_vs_simulated_ratio"] = row["ratio"] / row["simulated_ratio"] - 1
+    return row
 
 
 TABLE_COLUMNS = (
@@ -300,6 +357,10 @@ TABLE_COLUMNS = (
     ("meas/sim-1 1F1B", "measured_vs_simulated_1f1b", "{:+.1%}"),
     ("meas/sim-1 PACI", "measured_vs_simulated_paci", "{:+.1%}"),
     ("meas/sim-1 ratio", "measured_vs_simulated_ratio", "{:+.1%}"),
+    ("msg latency ms (PACI)", "message_latency_ms_paci", "{:.2f}"),
+    ("sleep over ms (PACI)", "sleep_overshoot_ms_paci", "{:.2f}"),
+    ("sim+overheads 1F1B", "simulated_with_overheads_sec_per_update_1f1b", "{:.4f}"),
+    ("sim+overheads PACI", "simulated_with_overheads_sec_per_update_paci", "{:.4f}"),
 )
 
 
@@ -377,7 +438,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--backward-ms", type=float, default=40.0)
     parser.add_argument("--step-ms", type=float, default=0.0)
     parser.add_argument("--warmup", type=int, default=2, help="untimed updates W (>= 1)")
-    parser.add_argument("--updates", type=int, default=8, help="timed updates K")
+    parser.add_argument("--updates", type=int, default=5, help="timed updates K")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of W+K updates per schedule; the median run is reported")
     parser.add_argument("--virtual-chunks", type=int, default=2,
                         help="v of the interleaved 1F1B model")
     parser.add_argument("--tensor-side", type=int, default=64,
@@ -389,7 +452,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--trace-config", type=int, nargs=2, metavar=("P", "M"),
                         help="the configuration to trace (default: the first)")
     parser.add_argument("--quick", action="store_true",
-                        help="P=4, M=4, 10/20 ms, 2+4 updates: a smoke run of a few seconds")
+                        help="P=4, M=4, 10/20 ms, W=2, K=4: a smoke run of about 15 s")
     args = parser.parse_args(argv)
     if args.quick:
         args.stages, args.microbatches = [4], [4]
@@ -403,8 +466,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--stages and --microbatches take positive integers")
     if args.warmup < 1:
         parser.error("--warmup must be >= 1: PACI's first update fills the pipeline")
-    if args.updates < 1:
-        parser.error("--updates must be >= 1")
+    if args.updates < 1 or args.repeats < 1:
+        parser.error("--updates and --repeats must be >= 1")
     if min(args.forward_ms, args.backward_ms, args.step_ms) < 0:
         parser.error("costs must be >= 0 ms")
     if args.forward_ms + args.backward_ms <= 0:
@@ -419,7 +482,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 
 def bench_from_args(args: argparse.Namespace) -> Bench:
     return Bench(args.forward_ms / 1e3, args.backward_ms / 1e3, args.step_ms / 1e3,
-                 args.warmup, args.updates, args.tensor_side, args.timeout_s)
+                 args.warmup, args.updates, args.tensor_side, args.timeout_s, args.repeats)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -427,16 +490,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     bench = bench_from_args(args)
     rows, trace_runs = [], None
     for P in args.stages:
-        trace_m = args.trace_config[1] if args.trace and P == args.trace_config[0] else None
-        measured = measure(P, args.microbatches, bench, trace_m)
+        measured = measure(P, args.microbatches, bench)
         for M in args.microbatches:
-            runs = {kind: measured[(M, kind)] for kind in KINDS}
-            rows.append(summarize(P, M, runs, bench, args.virtual_chunks))
-            if M == trace_m:
-                trace_runs = (P, M, runs)
+            repeats = {kind: measured[(M, kind)] for kind in KINDS}
+            rows.append(summarize(P, M, repeats, bench, args.virtual_chunks))
+            if args.trace and [P, M] == args.trace_config:
+                trace_runs = (P, M, {k: median_run(repeats[k], bench) for k in KINDS})
     print(f"tf={args.forward_ms:g} ms, tb={args.backward_ms:g} ms, step={args.step_ms:g} ms, "
-          f"W={bench.warmup} warm-up + K={bench.updates} timed updates per schedule; "
-          f"interleaved (model) = (M + (P-1)/v)(tf+tb), v={args.virtual_chunks}, not measured")
+          f"W={bench.warmup} warm-up + K={bench.updates} timed updates per schedule, median "
+          f"of {bench.repeats} repeats. "
+          f"interleaved (model) = (M + (P-1)/v)(tf+tb) with v={args.virtual_chunks}, not "
+          "measured. sim = same action lists, same costs, zero latency; sim+overheads = with "
+          "the measured mean message latency and sleep overshoot added.")
     print(format_table(rows))
     for row in rows:
         print(json.dumps(row))
