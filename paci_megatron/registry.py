@@ -70,7 +70,7 @@ def _check_interleaved(opts: ScheduleOptions) -> None:
 
 
 def _check_paci(opts: ScheduleOptions) -> None:
-    from .schedule import check_per_call, drift_bound
+    from .schedule import check_max_drift, check_per_call
 
     if opts.virtual_size is not None:
         raise ValueError("--pipeline-schedule paci does not support virtual pipeline stages; "
@@ -78,14 +78,7 @@ def _check_paci(opts: ScheduleOptions) -> None:
     if opts.accumulation < 1:
         raise ValueError(f"--paci-accumulation-factor must be >= 1, got {opts.accumulation}")
     check_per_call(opts.num_microbatches, opts.accumulation)
-    if opts.max_drift is not None:
-        need = drift_bound(opts.pipeline_size, 0, opts.accumulation)
-        if opts.max_drift < need:
-            raise ValueError(
-                f"--paci-max-drift {opts.max_drift} is below the theoretical bound "
-                f"ceil((P-1)/a) = {need} for P={opts.pipeline_size}, a={opts.accumulation}: "
-                "raise --paci-max-drift or --paci-accumulation-factor"
-            )
+    check_max_drift(opts.pipeline_size, opts.accumulation, opts.max_drift)
 
 
 def _make_paci(opts: ScheduleOptions):

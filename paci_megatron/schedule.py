@@ -85,6 +85,16 @@ def drift_bound(num_stages: int, stage: int, accumulation: int) -> int:
     return math.ceil((num_stages - 1 - stage) / accumulation)
 
 
+def check_max_drift(num_stages: int, accumulation: int, max_drift) -> None:
+    """--paci-max-drift below stage 0's bound cannot be honoured by any PACI run."""
+    need = drift_bound(num_stages, 0, accumulation)
+    if max_drift is not None and max_drift < need:
+        raise ValueError(
+            f"--paci-max-drift {max_drift} is below the theoretical bound ceil((P-1)/a) = "
+            f"{need} for P={num_stages}, a={accumulation}: raise --paci-max-drift or "
+            "--paci-accumulation-factor")
+
+
 def check_params(num_stages: int, accumulation: int, num_microbatches: int) -> None:
     if num_stages < 1:
         raise ValueError(f"number of pipeline stages must be >= 1, got {num_stages}")

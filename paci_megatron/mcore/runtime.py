@@ -22,7 +22,7 @@ from megatron.core.utils import get_model_config, get_model_type
 
 from ..autograd_versions import keep_version_counters
 from ..executor import DriftStats, ReplayIterator, StageExecutor
-from ..schedule import Action, Op, StreamPlan, drift_bound, plan_stream
+from ..schedule import Action, Op, StreamPlan, check_max_drift, drift_bound, plan_stream
 
 STOCK_GET_FORWARD_BACKWARD_FUNC = mcore_schedules.get_forward_backward_func
 
@@ -238,7 +238,6 @@ class PaciRuntime:
             raise ValueError(f"unknown runtime kind {kind!r}")
         self.kind = kind
         self.accumulation = accumulation
-        self.max_drift = max_drift
         if on_nonfinite not in ("skip", "abort"):
             raise ValueError(f"--paci-on-nonfinite must be skip or abort, got {on_nonfinite!r}")
         self.on_nonfinite = on_nonfinite
@@ -259,13 +258,8 @@ class PaciRuntime:
         self.is_first = self.stage == 0
         self.is_last = self.stage == pp - 1
         bound = drift_bound(pp, self.stage, accumulation) if kind == "paci" else 0
-        if max_drift is not None and max_drift < drift_bound(pp, 0, accumulation) and kind == "paci":
-            raise ValueError(
-                f"--paci-max-drift {max_drift} is below the theoretical bound "
-                f"ceil((P-1)/a) = {drift_bound(pp, 0, accumulation)} for P={pp}, "
-                f"a={accumulation}: PACI cannot run within it; raise --paci-max-drift or "
-                "--paci-accumulation-factor"
-            )
+        if kind == "paci":
+            check_max_drift(pp, accumulation, max_drift)
         self.drift = DriftStats(self.stage, bound if max_drift is None else max_drift)
         self.pg = pipeline_groups()
         self.p2p: Optional[P2PCommunicator] = None
