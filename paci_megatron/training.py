@@ -187,12 +187,14 @@ def _write_metrics(job: Job, record: Dict) -> None:
         job.metrics.write(json.dumps(record) + "\n")
         job.metrics.flush()
     if job.tensorboard is not None:
+        step = record.get("iteration", job.iteration)
         for key, value in record.items():
-            if isinstance(value, (int, float)) and key != "iteration":
-                job.tensorboard.add_scalar(key, value, record.get("iteration", job.iteration))
-            elif isinstance(value, list):
-                for s, v in enumerate(value):
-                    job.tensorboard.add_scalar(f"{key}/stage{s}", v, job.iteration)
+            values = value if isinstance(value, list) else [value]
+            for s, v in enumerate(values):
+                if key == "iteration" or isinstance(v, bool) or not isinstance(v, (int, float)):
+                    continue  # not a scalar (None: not measured)
+                job.tensorboard.add_scalar(f"{key}/stage{s}" if isinstance(value, list) else key,
+                                           v, step)
 
 
 def train_step(job: Job) -> Dict:

@@ -1,0 +1,206 @@
+"""Run an unchanged Megatron-LM training script with a selectable pipeline schedule.
+
+    torchrun --nproc-per-node 8 -m paci_megatron.run path/to/Megatron-LM/pretrain_gpt.py \\
+        <the script's usual flags> --untie-embeddings-and-output-weights \\
+        --pipeline-schedule paci --paci-accumulation-factor 8
+
+The script runs as ``__main__`` (see ``run_as_main``) with its folder on ``sys.path``, after
+this module installed version-guarded hooks from ``paci_megatron.patches.megatron_lm``:
+
+* always: the flags ``--pipeline-schedule {1f1b,interleaved,paci}`` (default ``1f1b``),
+  ``--paci-accumulation-factor``, ``--paci-max-drift``, ``--paci-on-nonfinite`` in Megatron-LM's
+  argument parser (so ``--help`` lists them);
+* ``1f1b`` / ``interleaved``: nothing else; Megatron-LM's training runs as without this module;
+* ``paci``: the PACI runtime in Megatron-LM's training loop (see ``PaciTrainingHooks``);
+* without CUDA (any schedule): megatron-core's and Megatron-LM's CPU/gloo patches
+  (add ``--distributed-backend gloo`` and the CPU flags, see tests/test_megatron_lm.py).
+
+``megatron.core`` is always the installed megatron-core package, never the checkout's copy
+(``prepare_import_path``): the checkout's folder goes on ``sys.path`` after it. Because the
+wheel ships the dataset helpers prebuilt and without a makefile, Megatron-LM's start-up
+compilation of them is skipped when they import (any schedule). Without Triton (the CPU torch
+wheel), the module Megatron-LM imports Triton through is replaced by a stand-in that keeps
+``--batch-invariant-mode`` off.
+
+Supported: Megatron-LM 0.16.1 (tag core_v0.16.1) with megatron-core 0.16.1; any other version
+stops with an error that says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import builtins
+import importlib.machinery
+import os
+import sys
+import types
+from typing import List, Optional, Sequence
+
+USAGE = ("usage: python -m paci_megatron.run path/to/Megatron-LM/pretrain_gpt.py "
+         "[Megatron-LM flags] [--pipeline-schedule {1f1b,interleaved,paci}] "
+         "[--paci-accumulation-factor A] [--paci-max-drift D] [--paci-on-nonfinite {skip,abort}]")
+
+
+def _rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def validate_flags(args: argparse.Namespace) -> None:
+    """PACI's flags against Megatron-LM's parsed ones (before any process group exists).
+    Raises ValueError with the flag and the fix; ``1f1b`` is never checked (stock)."""
+    schedule = args.pipeline_schedule
+    paci_flags = [flag for flag, value in (
+        ("--paci-accumulation-factor", args.paci_accumulation_factor),
+        ("--paci-max-drift", args.paci_max_drift)) if value is not None]
+    if schedule != "paci" and paci_flags:
+        verb = "apply" if len(paci_flags) > 1 else "applies"
+        raise ValueError(f"{', '.join(paci_flags)} only {verb} to --pipeline-schedule paci "
+                         f"(got --pipeline-schedule {schedule})")
+    if schedule == "1f1b":
+        return
+    virtual = (args.num_layers_per_virtual_pipeline_stage is not None
+               or args.num_virtual_stages_per_pipeline_rank is not None)
+    pp = args.pipeline_model_parallel_size
+    if schedule == "interleaved":
+        if not virtual or pp < 2:
+            raise ValueError("--pipeline-schedule interleaved needs --pipeline-model-parallel-size"
+                             " >= 2 and --num-layers-per-virtual-pipeline-stage (Megatron-LM "
+                             "picks the interleaved schedule from those)")
+        return
+    # paci
+    if virtual:
+        raise ValueError("--pipeline-schedule paci does not support virtual pipeline stages; "
+                         "drop --num-layers-per-virtual-pipeline-stage / "
+                         "--num-virtual-stages-per-pipeline-rank")
+    if pp > 1 and not args.untie_embeddings_and_output_weights:
+        raise ValueError("--pipeline-schedule paci with tied embeddings would all-reduce the "
+                         "embedding gradient between the first and last stage at every local "
+                         "step, stalling the pipeline; add --untie-embeddings-and-output-weights")
+    if args.rampup_batch_size is not None:
+        raise ValueError("--pipeline-schedule paci keeps micro-batches in flight across "
+                         "iterations and needs a fixed number of them; drop --rampup-batch-size")
+    if args.overlap_param_gather:
+        raise ValueError("--pipeline-schedule paci steps each stage's optimizer inside the "
+                         "forward-backward function, where the overlapped parameter all-gather "
+                         "of --overlap-param-gather is not started; drop --overlap-param-gather")
+    rerun_mode = getattr(args, "rerun_mode", "disabled")
+    if rerun_mode not in ("disabled", "validate_results"):
+        raise ValueError(f"--pipeline-schedule paci cannot re-run iterations (micro-batches stay "
+                         f"in flight across them); drop --rerun-mode {rerun_mode}")
+    if getattr(args, "calculate_per_token_loss", False):
+        raise ValueError("--pipeline-schedule paci does not support --calculate-per-token-loss "
+                         "(its token count is broadcast across all stages at every step)")
+
+
+def make_runtime(margs, num_microbatches: int):
+    """The PACI runtime for Megatron-LM's parsed args (process groups exist by now)."""
+    from .registry import SCHEDULES, ScheduleOptions
+
+    accumulation = margs.paci_accumulation_factor or num_microbatches
+    opts = ScheduleOptions(
+        pipeline_size=margs.pipeline_model_parallel_size,
+        virtual_size=margs.virtual_pipeline_model_parallel_size,
+        num_microbatches=num_microbatches, accumulation=accumulation,
+        max_drift=margs.paci_max_drift, micro_batch_size=margs.micro_batch_size,
+        data_parallel_size=margs.data_parallel_size, on_nonfinite=margs.paci_on_nonfinite)
+    entry = SCHEDULES.get("paci")
+    try:
+        entry.check(opts)
+    except ValueError as exc:
+        raise SystemExit(f"{os.path.basename(sys.argv[0])}: error: {exc}") from None
+    runtime = entry.make(opts)
+    if margs.rank == 0:
+        print(f"> PACI: accumulation factor {accumulation} of {num_microbatches} micro-batches "
+              f"per iteration ({num_microbatches // accumulation} local steps per stage and "
+              f"iteration), {margs.pipeline_model_parallel_size} stages", flush=True)
+    return runtime
+
+
+def report(runtime) -> None:
+    """Every rank: gather the drift statistics over the pipeline; the last stage prints them."""
+    from megatron.core import parallel_state
+
+    from .mcore.runtime import gather_across_pipeline
+
+    rows = gather_across_pipeline(runtime.drift_summary())
+    if runtime.is_last and parallel_state.get_tensor_model_parallel_rank() == 0 \
+            and parallel_state.get_data_parallel_rank() == 0:
+        for row in rows:
+            skipped = f", skipped {row['skipped_steps']}" if row["skipped_steps"] else ""
+            print(f"> PACI stage {row['stage']}: max drift {row['max']} (bound {row['bound']}), "
+                  f"histogram {row['histogram']}, local steps {row['steps']}{skipped}", flush=True)
+
+
+def _log_last_stage(runtime_holder):
+    def log(text: str) -> None:
+        runtime = runtime_holder.runtime
+        if (runtime.is_last if runtime is not None else _rank0()):
+            print(text, flush=True)
+
+    return log
+
+
+def install(argv: Sequence[str], script: str) -> dict:
+    """Set up imports and hooks for ``script`` with command line ``argv`` (the script's flags).
+    Returns what was installed (for the start-up line and the tests)."""
+    from .patches import megatron_lm
+
+    ours = megatron_lm.parse_paci_arguments(argv)
+    megatron_lm.prepare_import_path(os.path.dirname(script))
+    versions = megatron_lm.check_megatron_lm()
+    cpu = megatron_lm.apply_megatron_lm_cpu_patches()
+    megatron_lm.install_arguments(validate=validate_flags)
+    installed = {"schedule": ours.pipeline_schedule, "cpu_patches": cpu, "hooks": [], **versions}
+    if ours.pipeline_schedule == "paci":
+        hooks = megatron_lm.PaciTrainingHooks(make_runtime, report=report)
+        hooks.log = _log_last_stage(hooks)
+        installed["hooks"] = hooks.install()
+    return installed
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0].startswith("-"):
+        print(USAGE, file=sys.stderr)
+        print(__doc__, file=sys.stderr)
+        raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    script = os.path.abspath(argv[0])
+    if not os.path.isfile(script):
+        raise SystemExit(f"paci_megatron.run: error: {argv[0]} is not a file\n{USAGE}")
+    installed = install(argv[1:], script)
+    if _rank0():
+        print(f"> paci_megatron.run: {os.path.basename(script)} with --pipeline-schedule "
+              f"{installed['schedule']} (Megatron-LM {installed['megatron_lm']} at "
+              f"{installed['megatron_lm_root']}, megatron-core {installed['megatron_core']}); "
+              f"hooks: {', '.join(installed['hooks']) or 'none'}; CPU patches: "
+              f"{', '.join(installed['cpu_patches']) or 'none'}", flush=True)
+    sys.argv = [script, *argv[1:]]
+    run_as_main(script)
+
+
+def run_as_main(script: str) -> None:
+    """Execute ``script`` as the ``__main__`` module, as ``python script.py`` would (its
+    ``if __name__ == "__main__":`` block runs, and objects it defines pickle as ``__main__.*``).
+
+    Unlike ``runpy.run_path``, the module gets a spec named ``__main__`` (what ``python -m``
+    gives a package's ``__main__``): processes that Megatron starts with multiprocessing's
+    *spawn* method (the asynchronous writers of distributed checkpoints) then do not execute
+    the script again on start-up. They would do so without the hooks installed here and,
+    without Triton, fail on Megatron-LM's unconditional Triton import."""
+    with open(script, "rb") as handle:
+        code = compile(handle.read(), script, "exec")
+    module = types.ModuleType("__main__")
+    module.__file__ = script
+    module.__spec__ = importlib.machinery.ModuleSpec("__main__", None, origin=script)
+    module.__builtins__ = builtins
+    previous = sys.modules.get("__main__")
+    sys.modules["__main__"] = module
+    try:
+        exec(code, module.__dict__)
+    finally:
+        if previous is not None:
+            sys.modules["__main__"] = previous
+
+
+if __name__ == "__main__":
+    main()

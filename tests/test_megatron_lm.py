@@ -1,0 +1,252 @@
+"""Megatron-LM's own pretrain_gpt.py, unchanged, through ``python -m paci_megatron.run``.
+
+The end-to-end tests need a Megatron-LM checkout (verified: tag core_v0.16.1, commit
+55ac7082517c) named by the environment variable MEGATRON_LM_PATH, and are skipped without it.
+They run 2 pipeline stages on CPU/gloo with mock data, for the stock ``1f1b`` schedule and
+for ``paci``. The unit tests at the top need no checkout.
+"""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+
+from launch import REPO, kill_tree
+
+from paci_megatron import run as paci_run
+from paci_megatron.patches import megatron_lm
+
+MEGATRON_LM_PATH = os.environ.get("MEGATRON_LM_PATH", "")
+PRETRAIN_GPT = os.path.join(MEGATRON_LM_PATH, "pretrain_gpt.py") if MEGATRON_LM_PATH else ""
+
+needs_megatron_lm = pytest.mark.skipif(
+    not (PRETRAIN_GPT and os.path.isfile(PRETRAIN_GPT)),
+    reason="MEGATRON_LM_PATH does not point at a Megatron-LM checkout (tag core_v0.16.1) "
+           "with pretrain_gpt.py")
+
+# A tiny GPT on CPU: the local (non-Transformer-Engine) layers and no fused kernels.
+CPU_FLAGS = [
+    "--distributed-backend", "gloo", "--transformer-impl", "local", "--use-cpu-initialization",
+    "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+    "--no-bias-dropout-fusion", "--no-persist-layer-norm", "--no-rope-fusion",
+]
+MODEL_FLAGS = [
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "32", "--max-position-embeddings", "32",
+    "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3",
+    "--train-iters", "4", "--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1",
+    "--pipeline-model-parallel-size", "2", "--untie-embeddings-and-output-weights",
+]
+ITERATION = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?learning rate: (\S+) \|.*?"
+                       r"lm loss: (\S+) \|.*?grad norm: (\S+) \|")
+DRIFT = re.compile(r"> PACI stage (\d+): max drift (\d+) \(bound (\d+)\), histogram \{[^}]*\}, "
+                   r"local steps (\d+)")
+
+
+# --- unit tests (no checkout needed) --------------------------------------------------------
+
+def test_paci_flags_default_to_stock():
+    args = megatron_lm.parse_paci_arguments(["--num-layers", "4", "--lr", "1e-3"])
+    assert args.pipeline_schedule == "1f1b"
+    assert args.paci_accumulation_factor is None and args.paci_max_drift is None
+    args = megatron_lm.parse_paci_arguments(
+        ["--pipeline-schedule", "paci", "--paci-accumulation-factor", "8", "--seq-length", "9"])
+    assert (args.pipeline_schedule, args.paci_accumulation_factor) == ("paci", 8)
+    with pytest.raises(SystemExit):
+        megatron_lm.parse_paci_arguments(["--pipeline-schedule", "gpipe"])
+    with pytest.raises(SystemExit):
+        megatron_lm.parse_paci_arguments(["--paci-accumulation-factor", "0"])
+
+
+def _megatron_args(**overrides):
+    base = dict(pipeline_schedule="paci", paci_accumulation_factor=None, paci_max_drift=None,
+                num_layers_per_virtual_pipeline_stage=None,
+                num_virtual_stages_per_pipeline_rank=None, pipeline_model_parallel_size=2,
+                untie_embeddings_and_output_weights=True, rampup_batch_size=None,
+                overlap_param_gather=False, rerun_mode="validate_results",
+                calculate_per_token_loss=False)
+    base.update(overrides)
+    return types.SimpleNamespace(**base)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(untie_embeddings_and_output_weights=False), "--untie-embeddings-and-output-weights"),
+    (dict(num_layers_per_virtual_pipeline_stage=1), "virtual pipeline stages"),
+    (dict(rampup_batch_size=[8, 8, 100]), "--rampup-batch-size"),
+    (dict(overlap_param_gather=True), "--overlap-param-gather"),
+    (dict(rerun_mode="report_determinism_stats"), "--rerun-mode"),
+    (dict(pipeline_schedule="1f1b", paci_accumulation_factor=4), "only applies to"),
+    (dict(pipeline_schedule="interleaved"), "--num-layers-per-virtual-pipeline-stage"),
+])
+def test_bad_flag_combinations_are_refused(overrides, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        paci_run.validate_flags(_megatron_args(**overrides))
+
+
+def test_stock_schedules_are_not_checked():
+    paci_run.validate_flags(_megatron_args(pipeline_schedule="1f1b",
+                                           untie_embeddings_and_output_weights=False,
+                                           num_layers_per_virtual_pipeline_stage=2))
+    paci_run.validate_flags(_megatron_args(pipeline_schedule="interleaved",
+                                           num_layers_per_virtual_pipeline_stage=1))
+    paci_run.validate_flags(_megatron_args())
+
+
+def test_train_step_sees_the_local_steps():
+    record = types.SimpleNamespace
+    runtime = types.SimpleNamespace(steps=[record(update_successful=True, grad_norm=9.0)])
+    optimizer = types.SimpleNamespace(param_groups=[{"lr": 0.5}], zero_grad=lambda: "zeroed")
+    proxy = megatron_lm.LocalStepOptimizer(optimizer, runtime, steps_before=1)
+    with pytest.raises(RuntimeError, match="no local step"):
+        proxy.step()
+    runtime.steps += [record(update_successful=True, grad_norm=1.5),
+                      record(update_successful=True, grad_norm=2.5)]
+    assert proxy.step() == (True, 2.5, None)
+    runtime.steps.append(record(update_successful=False, grad_norm=float("nan")))
+    assert proxy.step()[0] is False  # one skipped local step: the iteration counts as skipped
+    assert proxy.param_groups == [{"lr": 0.5}] and proxy.zero_grad() == "zeroed"
+
+    calls = []
+    scheduler = types.SimpleNamespace(step=lambda increment: calls.append(increment), num_steps=7)
+    local = megatron_lm.LocalStepScheduler(scheduler)
+    local.step(increment=64)
+    assert calls == [] and local.num_steps == 7
+
+
+def test_checkout_version_is_read_as_text(tmp_path):
+    core = tmp_path / "megatron" / "core"
+    core.mkdir(parents=True)
+    assert megatron_lm.megatron_lm_checkout_version(str(tmp_path)) is None
+    (core / "package_info.py").write_text(textwrap.dedent("""\
+        MAJOR = 0
+        MINOR = 20
+        PATCH = 0
+        PRE_RELEASE = ''
+        import subprocess as _subprocess  # newer checkouts ask git for a suffix
+    """))
+    assert megatron_lm.megatron_lm_checkout_version(str(tmp_path)) == "0.20.0"
+
+
+def test_other_megatron_lm_versions_are_refused(tmp_path):
+    """A checkout whose megatron/core/package_info.py says 0.15.0 stops with the versions
+    that work (run in a subprocess: it changes sys.path and imports megatron.core)."""
+    (tmp_path / "megatron" / "training").mkdir(parents=True)
+    (tmp_path / "megatron" / "training" / "__init__.py").write_text("")
+    (tmp_path / "megatron" / "core").mkdir()
+    (tmp_path / "megatron" / "core" / "package_info.py").write_text(
+        "MAJOR = 0\nMINOR = 15\nPATCH = 0\nPRE_RELEASE = ''\n")
+    code = textwrap.dedent(f"""
+        from paci_megatron.patches import megatron_lm
+        megatron_lm.prepare_import_path({str(tmp_path)!r})
+        try:
+            megatron_lm.check_megatron_lm()
+        except megatron_lm.UnsupportedMegatronLM as exc:
+            print("REFUSED", exc)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": REPO})
+    assert "REFUSED" in out.stdout, out.stdout + out.stderr
+    assert "version 0.15.0" in out.stdout and "Megatron-LM 0.16.1" in out.stdout
+    assert "core_v0.16.1" in out.stdout
+
+
+# --- Megatron-LM's pretrain_gpt.py end to end -----------------------------------------------
+
+def run_pretrain_gpt(extra, cwd, timeout=300):
+    """torchrun 2 processes of ``-m paci_megatron.run pretrain_gpt.py``; (rc, stdout, stderr).
+    On a timeout both workers and torchrun are killed (torchrun starts each worker in a
+    session of its own)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "paci_megatron.run", PRETRAIN_GPT, *CPU_FLAGS, *MODEL_FLAGS, *extra]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, err = proc.communicate()
+        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-4000:]}\n"
+                             f"{err[-4000:]}") from None
+    return proc.returncode, out, err
+
+
+def _ok(extra, cwd):
+    rc, out, err = run_pretrain_gpt(extra, cwd)
+    assert rc == 0, f"exit code {rc}\n--- stdout ---\n{out[-6000:]}\n--- stderr ---\n{err[-6000:]}"
+    return out
+
+
+def iterations(out):
+    return [dict(zip(("iteration", "of", "lr", "loss", "grad_norm"), m.groups()))
+            for m in ITERATION.finditer(out)]
+
+
+def drift(out):
+    return {int(m.group(1)): dict(max=int(m.group(2)), bound=int(m.group(3)),
+                                  steps=int(m.group(4))) for m in DRIFT.finditer(out)}
+
+
+@pytest.fixture(scope="module")
+def stock_run(tmp_path_factory):
+    return _ok(["--pipeline-schedule", "1f1b"], tmp_path_factory.mktemp("stock"))
+
+
+@pytest.mark.dist
+@needs_megatron_lm
+def test_stock_1f1b_is_untouched(stock_run):
+    out = stock_run
+    assert "with --pipeline-schedule 1f1b" in out and "hooks: none" in out
+    rows = iterations(out)
+    assert [r["iteration"] for r in rows] == ["1", "2", "3", "4"], out[-3000:]
+    assert float(rows[-1]["loss"]) < float(rows[0]["loss"])
+    assert "PACI" not in out  # no runtime, no drain, no drift report
+    assert "validation loss at iteration 2" in out
+
+
+@pytest.mark.dist
+@needs_megatron_lm
+def test_paci_one_local_step_per_iteration(stock_run, tmp_path):
+    """a = micro-batches per iteration (the default): the first iteration's forwards all run
+    on the initial weights, so its loss equals stock 1F1B's; the LR schedule is the same."""
+    out = _ok(["--pipeline-schedule", "paci"], tmp_path)
+    assert "hooks: setup_model_and_optimizer, train_step, save_checkpoint, train" in out
+    rows, stock = iterations(out), iterations(stock_run)
+    assert [r["iteration"] for r in rows] == ["1", "2", "3", "4"], out[-3000:]
+    assert rows[0]["loss"] == stock[0]["loss"]
+    assert [r["lr"] for r in rows] == [r["lr"] for r in stock]
+    assert "validation loss at iteration 2" in out  # evaluation without a drain
+    assert drift(out) == {0: dict(max=1, bound=1, steps=4), 1: dict(max=0, bound=0, steps=4)}
+
+
+@pytest.mark.dist
+@needs_megatron_lm
+def test_paci_accumulation_factor_and_checkpoints(stock_run, tmp_path):
+    """a = 2 of 4 micro-batches: two local steps per stage and iteration; checkpoints at
+    iterations 2 and 4, each after a drain."""
+    out = _ok(["--pipeline-schedule", "paci", "--paci-accumulation-factor", "2",
+               "--save", str(tmp_path / "ckpt"), "--save-interval", "2"], tmp_path)
+    rows, stock = iterations(out), iterations(stock_run)
+    assert [r["iteration"] for r in rows] == ["1", "2", "3", "4"], out[-3000:]
+    assert [r["lr"] for r in rows] == [r["lr"] for r in stock]
+    assert out.count("drained the pipeline before saving a checkpoint") == 2
+    assert sorted(os.listdir(tmp_path / "ckpt")) == [
+        "iter_0000002", "iter_0000004", "latest_checkpointed_iteration.txt"]
+    assert drift(out) == {0: dict(max=1, bound=1, steps=8), 1: dict(max=0, bound=0, steps=8)}
+
+
+@pytest.mark.dist
+@needs_megatron_lm
+def test_paci_accumulation_factor_must_divide(tmp_path):
+    rc, out, err = run_pretrain_gpt(["--pipeline-schedule", "paci",
+                                     "--paci-accumulation-factor", "3"], tmp_path)
+    assert rc != 0
+    assert "--paci-accumulation-factor 3 must divide the number of micro-batches" in out + err
