@@ -7,7 +7,7 @@ on one channel (sender, receiver, direction) are received in the order they were
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict, deque
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
@@ -67,9 +67,6 @@ class SimResult:
 
     def max_drift(self) -> List[int]:
         return [max(d.values(), default=0) for d in self.drift]
-
-    def drift_histogram(self) -> List[Dict[int, int]]:
-        return [dict(sorted(Counter(d.values()).items())) for d in self.drift]
 
     def bubble_fraction(self) -> float:
         """Idle share of all stages' time over the whole run (warm-up and cool-down included)."""
@@ -227,21 +224,6 @@ def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
     flat = [e for evs in stage_events for e in evs]
     makespan = max((e.end for e in flat), default=0.0)
     return SimResult(schedule, flat, makespan, drifts, peaks, stage_events)
-
-
-def format_drift_table(results: Sequence[SimResult]) -> str:
-    """Markdown table: one row per result, max drift per stage."""
-    if not results:
-        return ""
-    P = max(r.schedule.num_stages for r in results)
-    head = "| P | a | " + " | ".join(f"s{s}" for s in range(P)) + " |"
-    sep = "|---|---|" + "---|" * P
-    rows = []
-    for r in results:
-        cells = [str(d) for d in r.max_drift()] + [""] * (P - r.schedule.num_stages)
-        rows.append(f"| {r.schedule.num_stages} | {r.schedule.accumulation} | "
-                    + " | ".join(cells) + " |")
-    return "\n".join([head, sep] + rows)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
