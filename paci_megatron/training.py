@@ -109,6 +109,7 @@ def _batches(job: Job, dataset, start: int):
 
     if not (job.info["is_first"] or job.info["is_last"]):
         return None
+
     def batches():
         return data.gpt_batches(dataset, job.args.micro_batch_size, start_sample=start,
                                 dp_rank=job.info["dp_rank"], dp_size=job.info["dp_size"])

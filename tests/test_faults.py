@@ -78,6 +78,7 @@ def test_killed_stage_stops_the_job(tmp_path):
     code, elapsed, out = _fault_and_time(tmp_path, signal.SIGKILL)
     assert code != 0
     assert elapsed < 60, f"took {elapsed:.1f}s"
+    print(f"killed stage: job exited {elapsed:.1f}s after SIGKILL")
     assert "rank 2 = pipeline stage 2" in out  # the start-up map of ranks to stages
     assert "exitcode  : -9" in out and "rank      : 2 (local_rank: 2)" in out  # torchrun's report
 
