@@ -158,6 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "global batch)")
     g.add_argument("--paci-max-drift", type=int, default=None,
                    help="largest tolerated drift; default: the bound ceil((P-1-s)/a)")
+    g.add_argument("--paci-drain-before-eval", action="store_true",
+                   help="drain the pipeline before each evaluation (frees the in-flight "
+                        "activations; training then continues as if it had flushed there). "
+                        "Default: evaluate between iterations without draining, which leaves "
+                        "training unchanged")
     g.add_argument("--paci-on-nonfinite", choices=["skip", "abort"], default="skip",
                    help="a NaN/Inf gradient at a stage's step: skip that update (and count it) "
                         "or stop the job")

@@ -226,6 +226,11 @@ def evaluate(job: Job) -> Optional[float]:
     steps, so the stages hold one consistent model; the forwards in flight stay untouched and
     training continues exactly as without evaluation."""
     args = job.args
+    if job.runtime is not None and job.runtime.primed and args.paci_drain_before_eval:
+        dropped = job.runtime.drain()
+        if job.reporter:
+            _log(f"> PACI: drained the pipeline before evaluation at iteration {job.iteration} "
+                 f"(this stage dropped {dropped} in-flight forwards; their data is replayed)")
     if job.reporter and job.runtime is not None and job.runtime.primed:
         _log(f"> evaluating at iteration {job.iteration}: PACI pipeline not drained (every stage "
              f"at local step {job.runtime.drift.version}; its in-flight micro-batches are kept)")
