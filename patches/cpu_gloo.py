@@ -144,12 +144,13 @@ class _CpuTorch(types.ModuleType):
         return value
 
 
-def _redirect_torch(module_name: str) -> bool:
-    """Point ``module_name``'s global ``torch`` at a :class:`_CpuTorch`; False if already done."""
+def _redirect_torch(module_name: str, factory: Callable[[], "_CpuTorch"] = None) -> bool:
+    """Point ``module_name``'s global ``torch`` at a :class:`_CpuTorch` (or what ``factory``
+    makes, a subclass); False if already done."""
     module = importlib.import_module(module_name)
     if getattr(module.torch, "_paci_cpu_torch", False):
         return False
-    module.torch = _CpuTorch()
+    module.torch = (factory or _CpuTorch)()
     return True
 
 

@@ -49,6 +49,7 @@ from .cpu_gloo import (
     UnsupportedMegatronVersion,
     _CpuCuda,
     _CpuTorch,
+    _redirect_torch,
     _run_as_cpu,
     apply_cpu_patches,
     check_megatron_core_version,
@@ -418,14 +419,6 @@ class _InitializeTorch(_CpuTorch):
         self.cuda = _OneCpuDevice()
 
 
-def _redirect_module_torch(module_name: str, factory=_CpuTorch) -> bool:
-    module = importlib.import_module(module_name)
-    if getattr(module.torch, "_paci_cpu_torch", False):
-        return False
-    module.torch = factory()
-    return True
-
-
 def cpu_allow_no_cuda() -> bool:
     """initialize.py: ``initialize_megatron`` asserts ``torch.cuda.is_available()`` unless
     ``allow_no_cuda=True``; pretrain() does not pass it. On CPU we pass it."""
@@ -444,7 +437,7 @@ def cpu_allow_no_cuda() -> bool:
 def cpu_initialize_device() -> bool:
     """initialize.py: model parallelism and the model-parallel seed are set up only when
     ``torch.cuda.device_count() > 0``; ``torch.cuda.set_device``. See :class:`_OneCpuDevice`."""
-    return _redirect_module_torch("megatron.training.initialize", _InitializeTorch)
+    return _redirect_torch("megatron.training.initialize", _InitializeTorch)
 
 
 class _CpuStream:
@@ -485,20 +478,20 @@ def cpu_training_tensors() -> bool:
     """training.py: start-time/exit-duration/eval-iteration flags and loss accumulators are
     created with ``device='cuda'`` or on ``torch.cuda.current_device()``; ``synchronize``;
     ``get_model``'s DDP side stream (see :class:`_NoStreams`)."""
-    return _redirect_module_torch("megatron.training.training", _TrainingTorch)
+    return _redirect_torch("megatron.training.training", _TrainingTorch)
 
 
 def cpu_training_utils() -> bool:
     """utils.py: the model-parallel reductions (grad norm, update flag, LR for logging) and the
     TP broadcasts of a batch allocate on ``torch.cuda.current_device()``."""
-    return _redirect_module_torch("megatron.training.utils")
+    return _redirect_torch("megatron.training.utils")
 
 
 def cpu_timers() -> bool:
     """megatron-core timers.py (used by Megatron-LM's loop, not by megatron-core's own code
     paths that paci_megatron's CPU patches cover): ``torch.cuda.synchronize()`` around each
     timer and the all-rank gather buffer on ``torch.cuda.current_device()``."""
-    return _redirect_module_torch("megatron.core.timers")
+    return _redirect_torch("megatron.core.timers")
 
 
 class _NoCudaGenerator(_CpuCuda):
@@ -526,14 +519,14 @@ def cpu_rerun_state_machine() -> bool:
     """megatron-core rerun_state_machine.py (driven by Megatron-LM's ``train_step``, default
     ``--rerun-mode validate_results``): saves ``torch.cuda.get_rng_state()`` before each
     iteration; flags and result tensors on ``device='cuda'`` / the current CUDA device."""
-    return _redirect_module_torch("megatron.core.rerun_state_machine", _NoCudaRngTorch)
+    return _redirect_torch("megatron.core.rerun_state_machine", _NoCudaRngTorch)
 
 
 def cpu_checkpointing() -> bool:
     """checkpointing.py: the checkpoint's RNG states include ``torch.cuda.get_rng_state()``
     (saved as None on CPU, and None is restored as nothing); the latest-iteration all-reduce
     uses ``device='cuda'``; ``empty_cache``."""
-    return _redirect_module_torch("megatron.training.checkpointing", _NoCudaRngTorch)
+    return _redirect_torch("megatron.training.checkpointing", _NoCudaRngTorch)
 
 
 def cpu_get_model() -> bool:

@@ -184,20 +184,14 @@ def test_no_pipelining_pp1_trains(one_proc):
 
 
 @pytest.mark.dist
-def test_stock_1f1b_pp2_matches_pp1(one_proc, two_procs):
-    ref, pp2 = one_proc["pp1"]["losses"], two_procs["pp2"]["losses"]
-    _assert_trains(two_procs["pp2"])
+@pytest.mark.parametrize("pp", [2, 4])
+def test_stock_1f1b_matches_pp1(pp, one_proc, two_procs, four_procs):
+    ref = one_proc["pp1"]["losses"]
+    run = (two_procs if pp == 2 else four_procs)[f"pp{pp}"]
+    _assert_trains(run)
     # step 0 measured bit-identical; later steps differ by float reduction order (~1e-7)
-    assert pp2[0] == ref[0]
-    assert max(abs(a - b) for a, b in zip(ref, pp2)) < 1e-4, (ref, pp2)
-
-
-@pytest.mark.dist
-def test_stock_1f1b_pp4_matches_pp1(one_proc, four_procs):
-    ref, pp4 = one_proc["pp1"]["losses"], four_procs["pp4"]["losses"]
-    _assert_trains(four_procs["pp4"])
-    assert pp4[0] == ref[0]
-    assert max(abs(a - b) for a, b in zip(ref, pp4)) < 1e-4, (ref, pp4)
+    assert run["losses"][0] == ref[0]
+    assert max(abs(a - b) for a, b in zip(ref, run["losses"])) < 1e-4, (ref, run["losses"])
 
 
 @pytest.mark.dist
