@@ -36,6 +36,8 @@ import sys
 import types
 from typing import List, Optional, Sequence
 
+from .autograd_versions import ZERO_CENTERED_GAMMA
+
 USAGE = ("usage: python -m paci_megatron.run path/to/Megatron-LM/pretrain_gpt.py "
          "[Megatron-LM flags] [--pipeline-schedule {1f1b,interleaved,paci}] "
          "[--paci-accumulation-factor A] [--paci-max-drift D] [--paci-on-nonfinite {skip,abort}]")
@@ -87,6 +89,8 @@ def validate_flags(args: argparse.Namespace) -> None:
     if rerun_mode not in ("disabled", "validate_results"):
         raise ValueError(f"--pipeline-schedule paci cannot re-run iterations (micro-batches stay "
                          f"in flight across them); drop --rerun-mode {rerun_mode}")
+    if getattr(args, "apply_layernorm_1p", False):
+        raise ValueError(ZERO_CENTERED_GAMMA)
     if getattr(args, "calculate_per_token_loss", False):
         raise ValueError("--pipeline-schedule paci does not support --calculate-per-token-loss "
                          "(its token count is broadcast across all stages at every step)")

@@ -20,7 +20,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_model_config, get_model_type
 
-from ..autograd_versions import keep_version_counters
+from ..autograd_versions import ZERO_CENTERED_GAMMA, keep_version_counters
 from ..executor import DriftStats, ReplayIterator, StageExecutor
 from ..schedule import Action, Op, StreamPlan, check_max_drift, drift_bound, plan_stream
 
@@ -347,6 +347,8 @@ class PaciRuntime:
                              "is broadcast across all pipeline stages at every step)")
         if self.kind == "paci":
             check_no_cross_stage_grad_reduction(model, self.pg)
+            if getattr(config, "layernorm_zero_centered_gamma", False):
+                raise ValueError(ZERO_CENTERED_GAMMA)
         self.plan = plan_stream(self.kind, self.num_stages, self.accumulation, num_microbatches)
         self.call_index = 0
         self._model = model
