@@ -148,6 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--measure-activation-memory", action="store_true",
                    help="count the bytes autograd keeps for backward (per stage peak in the "
                         "final metrics record)")
+    g.add_argument("--measure-memory", action="store_true",
+                   help="on CPU, count every live tensor of each stage (weights, gradients, "
+                        "optimizer state and temporaries, activations, buffers; slows training) "
+                        "for the per-stage peak_memory_mb; on CUDA the allocator's peak is "
+                        "always reported")
     g.add_argument("--metrics-file", type=_path("--metrics-file"), default=None,
                    help="append one JSON object per logged iteration (and a final one)")
     g = p.add_argument_group("pipeline schedule")

@@ -15,9 +15,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+import torch
+
 from .mcore import build, checkpoint
 from .mcore import runtime as mcore_runtime
-from .memory import SavedTensorMeter
+from .memory import LiveTensorMeter, SavedTensorMeter
 from .registry import SCHEDULES, ScheduleOptions
 
 
@@ -55,6 +57,7 @@ class Job:
     last_eval: Optional[tuple] = None  # (iteration, validation loss)
     forward_step: Any = None  # build.gpt_forward_step, metered with --measure-activation-memory
     meter: Any = None
+    live_meter: Any = None  # --measure-memory on CPU: every live tensor of this stage
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -158,6 +161,8 @@ def setup(args, opts: ScheduleOptions) -> Job:
     if args.measure_activation_memory:
         job.meter = SavedTensorMeter(p for chunk in model for p in chunk.parameters())
         job.forward_step = job.meter.wrap(build.gpt_forward_step)
+    if args.measure_memory and not torch.cuda.is_available():
+        job.live_meter = LiveTensorMeter().start()
     if reporter and args.metrics_file:
         job.metrics = open(args.metrics_file, "a")
     if reporter and args.tensorboard_dir:
@@ -239,10 +244,11 @@ def evaluate(job: Job) -> Optional[float]:
         chunk.eval()
     total = []
     for _ in range(args.eval_iters):
-        losses = job.forward_backward(
-            forward_step_func=build.gpt_forward_step, data_iterator=data, model=job.model,
-            num_microbatches=args.num_microbatches, seq_length=args.seq_length,
-            micro_batch_size=args.micro_batch_size, forward_only=True)
+        with torch.no_grad():  # as Megatron-LM: no graph, so no activations kept
+            losses = job.forward_backward(
+                forward_step_func=build.gpt_forward_step, data_iterator=data, model=job.model,
+                num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size, forward_only=True)
         loss = _mean_loss(losses)
         if loss is not None:
             total.append(loss)
@@ -334,11 +340,16 @@ def train(args, opts: ScheduleOptions) -> Dict:
 
 
 def _memory_record(job: Job) -> Dict:
-    """This stage's peaks: resident memory of the process (device memory on CUDA) and, with
-    --measure-activation-memory, the bytes saved for backward."""
+    """This stage's peaks: every tensor (the CUDA allocator's peak, or on CPU the live-tensor
+    meter of --measure-memory), the bytes saved for backward (--measure-activation-memory), and
+    the process's resident memory."""
     activation = job.meter.peak / 2**20 if job.meter is not None else None
-    return {"stage": job.info["pp_rank"], "peak_rss_mb": build.peak_memory_mb(),
-            "peak_activation_mb": activation}
+    whole = build.peak_device_memory_mb()
+    if job.live_meter is not None:
+        job.live_meter.stop()
+        whole = job.live_meter.peak / 2**20
+    return {"stage": job.info["pp_rank"], "peak_memory_mb": whole,
+            "peak_activation_mb": activation, "peak_rss_mb": build.peak_rss_mb()}
 
 
 def finish(job: Job) -> Dict:
@@ -367,6 +378,7 @@ def finish(job: Job) -> Dict:
                          "consumed_samples": job.consumed, "validation_loss": validation,
                          "wall_s": time.perf_counter() - job.started,
                          "max_drift": [r["max"] for r in summary.get("drift", [])],
+                         "peak_memory_mb": [m["peak_memory_mb"] for m in memory],
                          "peak_rss_mb": [m["peak_rss_mb"] for m in memory],
                          "peak_activation_mb": [m["peak_activation_mb"] for m in memory]})
     if job.uninstall is not None:
