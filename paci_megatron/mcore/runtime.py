@@ -45,7 +45,8 @@ class StageState:
     outputs: Dict[int, Any] = field(default_factory=dict)
     output_grads: Dict[int, Any] = field(default_factory=dict)
     input_grads: Dict[int, Any] = field(default_factory=dict)
-    pending_sends: List[tuple] = field(default_factory=list)  # (work, tensor to free or None)
+    # (work, tensor to free or None, Op.SEND_F or Op.SEND_B)
+    pending_sends: List[tuple] = field(default_factory=list)
 
     def in_flight(self) -> int:
         return len(self.outputs)
@@ -106,6 +107,7 @@ class MegatronHandlers:
 
     # communication
     def communicate(self, actions: Sequence[Action]) -> None:
+        earlier, self.state.pending_sends = self.state.pending_sends, []
         batch: Dict[Op, Action] = {}
         for act in actions:
             if act.op in batch:
@@ -114,6 +116,12 @@ class MegatronHandlers:
             batch[act.op] = act
         if batch:
             self._exchange(batch)
+        # Sends posted by an earlier exchange are waited for now, after this one is posted:
+        # each neighbour receives on a channel in order and needs nothing we send later to
+        # get there, so this cannot deadlock; it frees their buffers one exchange later. (gloo
+        # reports a send complete only once waited for, so reaping by is_completed() alone
+        # kept every message of an iteration alive until its end.)
+        self.wait_sends(earlier)
         self.reap_sends(wait=False)
 
     def _exchange(self, batch: Dict[Op, Action]) -> None:
@@ -140,32 +148,43 @@ class MegatronHandlers:
         if Op.RECV_B in batch:
             state.output_grads[batch[Op.RECV_B].mb] = recv_next
         if "send_next" in reqs:
-            state.pending_sends.append((reqs["send_next"], out))
+            state.pending_sends.append((reqs["send_next"], out, Op.SEND_F))
         elif out is not None:
             mcore_schedules.deallocate_output_tensor(out, self.config.deallocate_pipeline_outputs)
         if "send_prev" in reqs:
-            state.pending_sends.append((reqs["send_prev"], None))
+            state.pending_sends.append((reqs["send_prev"], None, Op.SEND_B))
 
     def finish_send_of(self, mb: int) -> None:
         output = self.state.outputs.get(mb)
-        for work, tensor in self.state.pending_sends:
+        for work, tensor, _ in self.state.pending_sends:
             if tensor is output and tensor is not None:
                 work.wait()
         self.reap_sends(wait=False)
 
     def reap_sends(self, wait: bool) -> None:
         """Free sent activations whose send completed (all of them if ``wait``)."""
+        if wait:
+            pending, self.state.pending_sends = self.state.pending_sends, []
+            self.wait_sends(pending)
+            return
         still = []
-        for work, tensor in self.state.pending_sends:
-            if wait:
-                work.wait()
-            elif not work.is_completed():
-                still.append((work, tensor))
-                continue
-            if tensor is not None:
+        for work, tensor, op in self.state.pending_sends:
+            if not work.is_completed():
+                still.append((work, tensor, op))
+            elif tensor is not None:
                 mcore_schedules.deallocate_output_tensor(
                     tensor, self.config.deallocate_pipeline_outputs)
         self.state.pending_sends = still
+
+    def wait_sends(self, sends: List[tuple]) -> None:
+        for work, tensor, op in sends:
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                raise PeerFailure(self.rt.describe_peers([op]), exc) from exc
+            if tensor is not None:
+                mcore_schedules.deallocate_output_tensor(
+                    tensor, self.config.deallocate_pipeline_outputs)
 
 
 # --- the runtime: one stream per training run -----------------------------------------------
@@ -206,8 +225,11 @@ def grads_are_finite(model, group) -> bool:
     buffers = [b.grad_data for b in getattr(model, "buffers", [])]
     if not buffers:
         buffers = [getattr(p, "main_grad", p.grad) for p in model.parameters()]
-    flags = [torch.isfinite(g).all() for g in buffers if g is not None]
-    finite = torch.stack(flags).all().float() if flags else torch.ones(())
+    # max |g| per buffer: NaN and Inf propagate into it, and unlike isfinite() it makes no
+    # full-size temporary at a moment when P-1-s micro-batches of activations are alive
+    largest = [torch.linalg.vector_norm(g, ord=float("inf")).float()
+               for g in buffers if g is not None and g.numel()]
+    finite = torch.isfinite(torch.stack(largest)).all().float() if largest else torch.ones(())
     if group is not None and group.size() > 1:
         torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN, group=group)
     return bool(finite)
