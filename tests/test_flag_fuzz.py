@@ -1,10 +1,9 @@
 """Every value-taking flag of pretrain_gpt_paci.py, tried with bad values: each is refused
 with the flag named (exit code 2, argparse style), before any process group exists."""
 
-import re
-
 import pytest
 
+from messages import error_line, names_flag
 from paci_megatron.arguments import build_parser, parse_and_validate
 
 BASE = ["--untie-embeddings-and-output-weights"]
@@ -23,12 +22,6 @@ ACCEPTED = {
 }
 
 
-def names_flag(text: str, flag: str) -> bool:
-    """``flag`` appears as a whole token: not a prefix of a longer flag (--lr in
-    --lr-warmup-iters) nor the tail of one (--lr in --min-lr)."""
-    return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text) is not None
-
-
 def test_names_flag_needs_the_whole_flag():
     assert names_flag("error: argument --lr: must be >= 0", "--lr")
     assert names_flag("--lr 5 is too large", "--lr")
@@ -36,13 +29,8 @@ def test_names_flag_needs_the_whole_flag():
     assert not names_flag("--min-lr 1 is above", "--lr")
     assert not names_flag("--lr-warmup-iters must be >= 0", "--lr")
     assert not names_flag("lr must be >= 0", "--lr")
-
-
-def error_line(err: str) -> str:
-    """argparse's message without the usage text before it (which lists every flag)."""
-    lines = [l for l in err.splitlines() if ": error: " in l]
-    assert len(lines) == 1, err
-    return lines[0].split(": error: ", 1)[1]
+    assert error_line("usage: x [--lr LR] [--min-lr MIN_LR]\nx: error: --min-lr 1 is above") \
+        == "--min-lr 1 is above"
 
 
 def _value_flags():
