@@ -78,10 +78,15 @@ def test_evaluation_without_drain_leaves_training_unchanged(P, runs):
 
 
 def test_a_drain_before_evaluation_is_detected(runs):
-    """Draining replays stage 0's in-flight forward with a new dropout mask: the comparison
-    above must see that (else it could not fail)."""
+    """--paci-drain-before-eval drains at each evaluation and replays stage 0's in-flight
+    forward with a new dropout mask: the comparison above must see that (else it could not
+    fail)."""
     plain, drained = runs(2, "plain"), runs(2, "drain")
-    assert "drained the pipeline before evaluation at iteration 2" in drained["out"]
+    for it in (2, 4, 6):
+        assert f"> PACI: drained the pipeline before evaluation at iteration {it} " \
+            in drained["out"] and f" validation loss at iteration {it} " in drained["out"]
+    assert "not drained" not in drained["out"]
+    assert [row["max"] for row in drained["summary"]["drift"]] == [1, 0]
     assert drained["losses"][:2] == plain["losses"][:2]  # identical up to the first drain
     assert drained["losses"][2:] != plain["losses"][2:]
     assert drained["summary"]["weights_sha256"] != plain["summary"]["weights_sha256"]
