@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "always reported")
     g.add_argument("--metrics-file", type=_path("--metrics-file"), default=None,
                    help="append one JSON object per logged iteration (and a final one)")
+    g.add_argument("--weights-digest", action="store_true",
+                   help="add each pipeline stage's SHA-256 of its final weights to the "
+                        "PACI_SUMMARY line (compare two runs bit for bit)")
     g = p.add_argument_group("pipeline schedule")
     g.add_argument("--pipeline-schedule", default="paci",
                    help=f"one of {SCHEDULES.names()} (default: paci)")

@@ -8,6 +8,7 @@ so the loop only calls the forward-backward function.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import sys
@@ -352,10 +353,24 @@ def _memory_record(job: Job) -> Dict:
             "peak_activation_mb": activation, "peak_rss_mb": build.peak_rss_mb()}
 
 
+def weights_sha256(model: List) -> str:
+    """SHA-256 over this rank's parameters (name, dtype, raw bytes) in name order."""
+    h = hashlib.sha256()
+    for chunk in model:
+        for name, p in sorted(chunk.named_parameters(), key=lambda item: item[0]):
+            data = p.detach().cpu().contiguous().reshape(-1)
+            h.update(f"{name}:{data.dtype}".encode())
+            h.update(data.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def finish(job: Job) -> Dict:
     args = job.args
     summary: Dict[str, Any] = {"schedule": args.pipeline_schedule, "losses": job.history,
                                "iteration": job.iteration}
+    if args.weights_digest:  # before the drain and the save; one entry per pipeline stage
+        summary["weights_sha256"] = mcore_runtime.gather_across_pipeline(
+            weights_sha256(job.model))
     if job.runtime is not None:
         dropped = job.runtime.drain()
         drift = mcore_runtime.gather_across_pipeline(job.runtime.drift_summary())
