@@ -450,8 +450,9 @@ def compare(args, train_flags: List[str]) -> int:
                 "between evaluations. Projected time: each schedule's action lists for this P "
                 f"and M in the lockstep simulator, forward {args.project_forward_ms:g} ms, "
                 f"backward {args.project_backward_ms:g} ms, step {args.project_step_ms:g} ms "
-                "per stage, steady state (--paci-sync-iters iterations at 1F1B's pace); "
-                "interleaved from its closed form.\n\n")
+                "per stage, steady state (--paci-sync-iters iterations at 1F1B's pace; "
+                "projected s/iteration is the pace after them); interleaved from its closed "
+                "form.\n\n")
         for p in plots:
             f.write(f"![{os.path.basename(p)}]({os.path.basename(p)})\n")
     print(table)
