@@ -171,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "activations; training then continues as if it had flushed there). "
                         "Default: evaluate between iterations without draining, which leaves "
                         "training unchanged")
+    g.add_argument("--paci-sync-iters", type=_bounded_int("--paci-sync-iters", 0), default=0,
+                   help="synchronous warm start: run the first K iterations as stock 1F1B "
+                        "(flush, one step per iteration), then PACI with no drain at the "
+                        "switch (default 0)")
     g.add_argument("--paci-on-nonfinite", choices=["skip", "abort"], default="skip",
                    help="a NaN/Inf gradient at a stage's step: skip that update (and count it) "
                         "or stop the job")
@@ -245,8 +249,11 @@ def validate(args: argparse.Namespace, world_size: int) -> ScheduleOptions:
         pipeline_size=pp, virtual_size=vpp, num_microbatches=num_mb,
         accumulation=args.paci_accumulation_factor, max_drift=args.paci_max_drift,
         micro_batch_size=args.micro_batch_size, data_parallel_size=dp,
-        on_nonfinite=args.paci_on_nonfinite,
+        on_nonfinite=args.paci_on_nonfinite, sync_iters=args.paci_sync_iters,
     )
+    if args.paci_sync_iters and args.pipeline_schedule != "paci":
+        raise ConfigError(f"--paci-sync-iters {args.paci_sync_iters} only applies to "
+                          "--pipeline-schedule paci; drop it")
     try:
         entry.check(opts)
     except ValueError as exc:

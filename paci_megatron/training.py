@@ -153,7 +153,7 @@ def setup(args, opts: ScheduleOptions) -> Job:
         job.iteration = state["iteration"]
         job.consumed = int(state["extra"].get("consumed_samples", job.iteration * gbs))
         if runtime is not None:  # weight versions count local steps since the start
-            runtime.drift.version = job.iteration * (args.num_microbatches // opts.accumulation)
+            runtime.resume_at(job.iteration, args.num_microbatches)
         if reporter:
             _log(f"> loaded checkpoint from {args.load} at iteration {job.iteration} "
                  f"({job.consumed} samples consumed)")
@@ -314,7 +314,9 @@ def train(args, opts: ScheduleOptions) -> Dict:
              f"{getattr(fb, '__qualname__', repr(fb))}")
         _log(f"> schedule {args.pipeline_schedule}: P={job.info['pp_size']} "
              f"TP={job.info['tp_size']} DP={job.info['dp_size']} micro-batches/iteration="
-             f"{args.num_microbatches} a={opts.accumulation}")
+             f"{args.num_microbatches} a={opts.accumulation}"
+             + (f", stock 1F1B for the first {opts.sync_iters} iterations (--paci-sync-iters)"
+                if opts.sync_iters else ""))
     t_last = time.perf_counter()
     since_log = 0
     while job.iteration < args.train_iters:

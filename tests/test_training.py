@@ -80,10 +80,14 @@ def _losses(path):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("schedule", ["1f1b", "paci"])
+@pytest.mark.parametrize("schedule", [
+    "1f1b", "paci",
+    # stock 1F1B to iteration 6 (--paci-sync-iters), saved at 4: the resumed run must switch
+    # to PACI at 6, not 4 iterations after the load
+    pytest.param("paci --paci-sync-iters 6", marks=pytest.mark.slow)])
 def test_resume_is_exact(schedule, tmp_path):
     """train 4 of 8, save, stop, load, train to 8 == train 8 saving at 4 (PACI drains there)."""
-    flags = ["--pipeline-schedule", schedule, "--hidden-dropout", "0.1"]
+    flags = ["--pipeline-schedule", *schedule.split(), "--hidden-dropout", "0.1"]
     one = tmp_path / "one.jsonl"
     _train(flags + ["--train-iters", "8", "--save", str(tmp_path / "a"), "--save-interval", "4",
                     "--metrics-file", str(one)])

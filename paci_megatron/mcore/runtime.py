@@ -80,7 +80,7 @@ class MegatronHandlers:
         state = self.state
         self.data.current = mb
         output, _num_tokens = mcore_schedules.forward_step(
-            self.forward_step_func, self.data, self.model, self.rt.accumulation,
+            self.forward_step_func, self.data, self.model, self.rt.plan.accumulation,
             state.inputs.get(mb), self.store, self.config,
             cp_group_size=self.rt.pg.cp.size(),
             is_first_microbatch=self.rt.fresh_weights,  # weights changed: refresh caches
@@ -91,7 +91,7 @@ class MegatronHandlers:
 
     def backward(self, mb: int) -> None:
         state = self.state
-        closes_group = (mb + 1) % self.rt.accumulation == 0
+        closes_group = (mb + 1) % self.rt.plan.accumulation == 0
         self.finish_send_of(mb)  # long done: the next stage already sent this one's gradient
         with self.rt.grad_sync(enabled=closes_group):
             grad = mcore_schedules.backward_step(
@@ -252,10 +252,12 @@ class PaciRuntime:
 
     kind="paci" runs PACI; kind="flush" runs the same executor on the flush baseline (stock
     1F1B with a drain before each step), which must equal stock Megatron bit for bit.
+    ``sync_calls`` K (--paci-sync-iters): a PACI runtime runs its first K training calls as
+    stock 1F1B (the flush plan with one step per call), then PACI.
     """
 
     def __init__(self, *, accumulation: int, kind: str = "paci", max_drift: Optional[int] = None,
-                 on_nonfinite: str = "skip"):
+                 on_nonfinite: str = "skip", sync_calls: int = 0):
         if kind not in ("paci", "flush"):
             raise ValueError(f"unknown runtime kind {kind!r}")
         self.kind = kind
@@ -269,6 +271,9 @@ class PaciRuntime:
         self.lr_increment = None
         self.plan: Optional[StreamPlan] = None
         self.call_index = 0
+        self.sync_calls = sync_calls
+        self.calls_done = 0  # training calls since the start of the run (drains keep it)
+        self._stock_grad_groups: list = []
         self.state = StageState()
         self.data: Optional[ReplayIterator] = None
         self.steps: List[StepRecord] = []
@@ -292,10 +297,45 @@ class PaciRuntime:
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.lr_increment = lr_increment
-        if self.kind == "paci":
-            group = stage_grad_stats_group(optimizer)
-            for opt in _sub_optimizers(optimizer):
+        self._stock_grad_groups = [getattr(opt, "grad_stats_parallel_group", None)
+                                   for opt in _sub_optimizers(optimizer)]
+        self._use_stage_grad_stats(self.kind == "paci")
+
+    def _use_stage_grad_stats(self, stage_local: bool) -> None:
+        """PACI reduces grad norm / found-inf within the stage; stock 1F1B (and the sync
+        warm-up) over all stages, as Megatron does."""
+        group = stage_grad_stats_group(self.optimizer) if stage_local else None
+        for opt, stock in zip(_sub_optimizers(self.optimizer), self._stock_grad_groups):
+            if group is not None:
                 opt.grad_stats_parallel_group = group
+            elif stock is not None:
+                opt.grad_stats_parallel_group = stock
+            elif hasattr(opt, "grad_stats_parallel_group"):
+                del opt.grad_stats_parallel_group  # Megatron's default: the model-parallel group
+
+    def _next_kind(self) -> str:
+        """"flush" during the sync warm-up (--paci-sync-iters), else this runtime's kind."""
+        return "flush" if self.kind == "paci" and self.calls_done < self.sync_calls else self.kind
+
+    def _next_plan(self, per_call: int) -> StreamPlan:
+        """The warm-up runs the flush plan with one step per call: stock 1F1B (loss scaled by
+        1/N, LR advanced by the whole batch, grad norm over all stages)."""
+        if self._next_kind() != self.kind:
+            return plan_stream("flush", self.num_stages, per_call, per_call)
+        return plan_stream(self.kind, self.num_stages, self.accumulation, per_call)
+
+    def _lr_increment_now(self) -> Optional[int]:
+        """``lr_increment`` counts the samples of ``accumulation`` backwards; a step of the
+        sync warm-up closes a whole batch."""
+        if self.lr_increment is None:
+            return None
+        return self.lr_increment * self.plan.accumulation // self.accumulation
+
+    def resume_at(self, iteration: int, per_call: int) -> None:
+        """After --load at ``iteration``: the calls and local steps already taken."""
+        self.calls_done = iteration
+        sync = min(iteration, self.sync_calls) if self.kind == "paci" else 0
+        self.drift.version = sync + (iteration - sync) * (per_call // self.accumulation)
 
     def describe_peers(self, actions) -> str:
         """'pipeline stage 2 (global rank 5)' for the neighbours these actions talk to."""
@@ -341,7 +381,7 @@ class PaciRuntime:
             ok, grad_norm = False, float("nan")
         lr = None
         if ok and self.lr_scheduler is not None:
-            self.lr_scheduler.step(increment=self.lr_increment)
+            self.lr_scheduler.step(increment=self._lr_increment_now())
         if self.lr_scheduler is not None:
             lr = self.optimizer.param_groups[0]["lr"]
         model.zero_grad_buffer()
@@ -371,7 +411,8 @@ class PaciRuntime:
             check_no_cross_stage_grad_reduction(model, self.pg)
             if getattr(config, "layernorm_zero_centered_gamma", False):
                 raise ValueError(ZERO_CENTERED_GAMMA)
-        self.plan = plan_stream(self.kind, self.num_stages, self.accumulation, num_microbatches)
+        self.plan = self._next_plan(num_microbatches)
+        self._use_stage_grad_stats(self.plan.kind == "paci")
         self.call_index = 0
         self._model = model
         self.data = ReplayIterator(data_iterator) if self.data is None else self.data
@@ -409,6 +450,8 @@ class PaciRuntime:
                          micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
                          forward_only=True, collect_non_loss_data=collect_non_loss_data,
                          first_val_step=first_val_step)
+        if self.plan is not None and self.plan.kind != self._next_kind():
+            self.plan = None  # end of the sync warm-up: the flush call left the pipeline empty
         if self.plan is None:
             self._start(model, data_iterator, num_microbatches, seq_length, micro_batch_size,
                         decoder_seq_length)
@@ -426,6 +469,7 @@ class PaciRuntime:
         StageExecutor(self.stage, handlers, self.drift).run(actions)
         handlers.reap_sends(wait=True)
         self.call_index += 1
+        self.calls_done += 1
         return store
 
     def drain(self) -> int:
