@@ -22,7 +22,8 @@ from megatron.core.utils import get_model_config, get_model_type
 
 from ..autograd_versions import keep_version_counters
 from ..executor import DriftStats, ReplayIterator, StageExecutor
-from ..schedule import Action, Op, StreamPlan, check_max_drift, drift_bound, plan_stream
+from ..schedule import (Action, Op, StreamPlan, check_max_drift, drift_bound, exchanges,
+                        plan_stream)
 
 STOCK_GET_FORWARD_BACKWARD_FUNC = mcore_schedules.get_forward_backward_func
 
@@ -106,14 +107,8 @@ class MegatronHandlers:
 
     # communication
     def communicate(self, actions: Sequence[Action]) -> None:
-        batch: Dict[Op, Action] = {}
-        for act in actions:
-            if act.op in batch:
-                self._exchange(batch)
-                batch = {}
-            batch[act.op] = act
-        if batch:
-            self._exchange(batch)
+        for batch in exchanges(actions):
+            self._exchange({act.op: act for act in batch})
         self.reap_sends(wait=False)
 
     def _exchange(self, batch: Dict[Op, Action]) -> None:
