@@ -80,7 +80,8 @@ def summarize(name: str, records: List[Dict]) -> Dict:
         "tokens_per_sec": sum(r["tokens_per_sec"] for r in steady) / len(steady),
         "peak_rss_mb": final.get("peak_rss_mb"),
         "peak_activation_mb": final.get("peak_activation_mb"),
-        "max_drift": train[-1]["max_drift"] if train else None,
+        # per-iteration records know only the logging stage's drift; the final one has all
+        "max_drift": final.get("max_drift") or (train[-1]["max_drift"] if train else None),
         "wall_s": final["wall_s"],
     }
 

@@ -178,8 +178,9 @@ def pipeline_groups() -> ProcessGroupCollection:
 
 
 def check_no_cross_stage_grad_reduction(model, pg: ProcessGroupCollection) -> None:
-    """finalize_model_grads crosses stages only for tied word embeddings (first <-> last stage)
-    and for position embeddings split over stages; PACI refuses both instead of stalling."""
+    """finalize_model_grads crosses stages for tied word embeddings and multi-token prediction
+    (first <-> last stage), position embeddings split over stages, conditional embedders (all
+    stages) and barriered level-1 timers (all ranks); PACI refuses them instead of stalling."""
     if pg.pp.size() == 1:
         return
     inner = model
@@ -192,6 +193,24 @@ def check_no_cross_stage_grad_reduction(model, pg: ProcessGroupCollection) -> No
             "--untie-embeddings-and-output-weights")
     if pg.pos_embd is not None and pg.pos_embd.size() > 1:
         raise ValueError("PACI does not support position embeddings shared across stages")
+    config = get_model_config(model)
+    if getattr(config, "mtp_num_layers", None):
+        raise ValueError(
+            "PACI does not support multi-token prediction across pipeline stages: "
+            "finalize_model_grads all-reduces the embedding between the first and last stage "
+            "at every step; drop --mtp-num-layers or use one pipeline stage")
+    if getattr(config, "has_cond_embedder", False):
+        raise ValueError(
+            "PACI does not support conditional embedders replicated on every stage: "
+            "finalize_model_grads all-reduces their gradients over the pipeline group at every "
+            "step")
+    timers = getattr(config, "timers", None)
+    if timers is not None and getattr(timers, "_log_level", 0) >= 1 \
+            and getattr(config, "barrier_with_L1_time", False):
+        raise ValueError(
+            "PACI cannot run level-1 timers with barriers: finalize_model_grads and the "
+            "optimizer would barrier all ranks inside each stage's local step; use "
+            "--timing-log-level 0")
 
 
 def grads_are_finite(model, group) -> bool:
