@@ -1,8 +1,11 @@
 """Run a Schedule's per-stage lists in lockstep, without torch, and check its invariants.
 
-Communication model (the one the executor implements): a send is posted and never blocks;
-a receive waits until the matching send was posted (plus ``Costs.comm`` latency). Messages
-on one channel (sender, receiver, direction) are received in the order they were sent.
+Two communication models. ``run_lockstep`` (the default of ``simulate``; what gloo does here):
+a send is posted and never blocks; a receive waits until the matching send was posted (plus
+``Costs.comm`` latency). Messages on one channel (sender, receiver, direction) are received in
+the order they were sent. ``run_nccl`` (``simulate(..., nccl=NcclModel(...))``): NCCL's
+pairing rules as Megatron-Core drives them, batched or unbatched, with or without the
+variable-length shape exchange; its rules are listed in ``NcclModel``.
 """
 
 from __future__ import annotations
