@@ -111,6 +111,10 @@ def refuse_stage_crossing_collectives(args: argparse.Namespace) -> None:
         raise ValueError("--pipeline-schedule paci: --exit-signal-handler gathers over all ranks "
                          "at every iteration, stalling every stage to the slowest; drop it "
                          "(checkpoint with --save-interval)")
+    if pp > 1 and getattr(args, "log_params_norm", False):
+        raise ValueError("--pipeline-schedule paci: --log-params-norm all-reduces the parameter "
+                         "norm over the model-parallel group (all stages) at every iteration; "
+                         "drop it")
     if pp > 1 and getattr(args, "mtp_num_layers", None):
         raise ValueError("--pipeline-schedule paci does not support --mtp-num-layers with "
                          "pipeline parallelism: the embedding gradient is all-reduced between "

@@ -57,7 +57,8 @@ def _megatron_args(**overrides):
                 untie_embeddings_and_output_weights=True, rampup_batch_size=None,
                 overlap_param_gather=False, rerun_mode="validate_results",
                 calculate_per_token_loss=False, timing_log_level=0, exit_duration_in_mins=None,
-                exit_signal_handler=False, mtp_num_layers=None, num_experts=None)
+                exit_signal_handler=False, mtp_num_layers=None, num_experts=None,
+                log_params_norm=False)
     base.update(overrides)
     return types.SimpleNamespace(**base)
 
@@ -69,12 +70,13 @@ def _megatron_args(**overrides):
     (dict(exit_signal_handler=True), "--exit-signal-handler"),
     (dict(mtp_num_layers=1), "--mtp-num-layers"),
     (dict(num_experts=8), "--num-experts"),
+    (dict(log_params_norm=True), "--log-params-norm"),
 ])
 def test_megatron_lm_flags_with_stage_crossing_collectives_are_refused(overrides, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         paci_run.validate_flags(_megatron_args(**overrides))
     paci_run.validate_flags(_megatron_args(pipeline_schedule="1f1b", **overrides))  # stock
-    if "mtp_num_layers" in overrides or "num_experts" in overrides:  # one stage: no crossing
+    if {"mtp_num_layers", "num_experts", "log_params_norm"} & set(overrides):  # one stage
         paci_run.validate_flags(_megatron_args(pipeline_model_parallel_size=1, **overrides))
 
 
