@@ -9,6 +9,7 @@ import pytest
 
 from launch import parse_results, run_torchrun
 from paci_megatron import run as paci_run
+from test_megatron_lm import needs_megatron_lm, run_pretrain_gpt
 
 P = 2
 ITERS = 6
@@ -100,3 +101,12 @@ def test_runtime_refuses_collectives_inside_the_local_step():
                              "--timing-log-level 0")):
         with pytest.raises(ValueError, match=message):
             check(**config)
+
+
+@pytest.mark.dist
+@needs_megatron_lm
+def test_megatron_lm_parser_refuses_timing_barriers(tmp_path):
+    rc, out, err = run_pretrain_gpt(["--pipeline-schedule", "paci", "--timing-log-level", "1"],
+                                    tmp_path)
+    assert rc != 0
+    assert "error: --pipeline-schedule paci cannot run --timing-log-level 1" in out + err
