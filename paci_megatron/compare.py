@@ -183,7 +183,8 @@ def summarize(name: str, records: List[Dict], shape: tta.RunShape, costs: Costs,
         "projected_s_per_iteration": per_iteration[1],
         "peak_rss_mb": final.get("peak_rss_mb"),
         "peak_activation_mb": final.get("peak_activation_mb"),
-        "max_drift": train[-1]["max_drift"] if train else None,
+        # per-iteration records know only the logging stage's drift; the final one has all
+        "max_drift": final.get("max_drift") or (train[-1]["max_drift"] if train else None),
         "wall_s": final["wall_s"],
         "train_iters": final["iteration"],
     }

@@ -181,11 +181,20 @@ def _tensorboard(path: str):
     return SummaryWriter(log_dir=path)
 
 
-def _pipeline_stats(job: Job) -> Optional[List[Dict]]:
-    """Every stage's drift summary; a small gather over the pipeline group (a sync point:
-    at log intervals only)."""
+def _stage_stats(job: Job) -> Optional[List[Optional[Dict]]]:
+    """Per stage, the drift summary this rank knows without communicating: its own stage's.
+    A gather over the pipeline group would make every stage wait for the slowest at each log
+    line (about P-1 backwards under PACI); the full table is gathered only where the stages
+    meet anyway: at checkpoints and at the end (``_pipeline_table``)."""
     if job.runtime is None:
         return None
+    row = job.runtime.drift_summary()
+    return [row if s == row["stage"] else None for s in range(job.info["pp_size"])]
+
+
+def _pipeline_table(job: Job) -> List[Dict]:
+    """Every stage's drift summary: a gather over the pipeline group, so call it only after a
+    drain (checkpoints, end of training), where no stage is waiting on another's messages."""
     return mcore_runtime.gather_across_pipeline(job.runtime.drift_summary())
 
 
@@ -269,6 +278,12 @@ def save(job: Job) -> None:
         if job.reporter:
             _log(f"> PACI: drained the pipeline before saving (this stage dropped {dropped} "
                  "in-flight forwards; their data is replayed)")
+    if job.runtime is not None:  # the stages meet here anyway: the per-stage table is free
+        table = _pipeline_table(job)
+        if job.reporter:
+            _log(f"> PACI drift at iteration {job.iteration}: max per stage "
+                 f"{[row['max'] for row in table]}, skipped steps per stage "
+                 f"{[row['skipped_steps'] for row in table]}")
     path = checkpoint.save_checkpoint(
         job.args.save, job.iteration, job.model, job.optimizer, job.lr_scheduler,
         extra={"consumed_samples": job.consumed, "schedule": job.args.pipeline_schedule})
@@ -278,17 +293,18 @@ def save(job: Job) -> None:
 
 def _log_iteration(job: Job, step: Dict, elapsed_ms: float) -> None:
     args = job.args
-    stats = _pipeline_stats(job)
     if not job.reporter:
         return
-    drift = [row["max"] for row in stats] if stats else None
-    skipped = [row["skipped_steps"] for row in stats] if stats else [0] * job.info["pp_size"]
+    stats = _stage_stats(job)  # None for the stages this rank cannot see without a collective
+    drift = [row and row["max"] for row in stats] if stats else None
+    skipped = ([row and row["skipped_steps"] for row in stats] if stats
+               else [0] * job.info["pp_size"])
     tokens_per_s = args.global_batch_size * args.seq_length / (elapsed_ms / 1000.0)
     lr = job.optimizer.param_groups[0]["lr"]
     gn = "n/a" if step["grad_norm"] is None else f"{step['grad_norm']:.3f}"
-    drift_text = f" | PACI drift max per stage {drift}" if drift is not None else ""
-    if any(skipped):
-        drift_text += f" | skipped (non-finite) steps per stage {skipped}"
+    drift_text = f" | PACI drift max (this stage) {drift[-1]}" if drift is not None else ""
+    if skipped[-1]:
+        drift_text += f" | skipped (non-finite) steps (this stage) {skipped[-1]}"
     eta_s = int(elapsed_ms / 1000.0 * (args.train_iters - job.iteration))
     drift_text += f" | ETA {eta_s // 3600:d}:{eta_s // 60 % 60:02d}:{eta_s % 60:02d}"
     _log(f" iteration {job.iteration:8d}/{args.train_iters:8d} | consumed samples "
@@ -375,7 +391,7 @@ def finish(job: Job) -> Dict:
             weights_sha256(job.model))
     if job.runtime is not None:
         dropped = job.runtime.drain()
-        drift = mcore_runtime.gather_across_pipeline(job.runtime.drift_summary())
+        drift = _pipeline_table(job)
         summary["drift"] = drift
         if job.reporter:
             _log(f"> PACI: drained the pipeline at the end (this stage dropped {dropped} "
@@ -396,6 +412,7 @@ def finish(job: Job) -> Dict:
                          "wall_s": time.perf_counter() - job.started,
                          "max_drift": [r["max"] for r in summary.get("drift", [])],
                          "peak_memory_mb": [m["peak_memory_mb"] for m in memory],
+                         "skipped_steps": [r["skipped_steps"] for r in summary.get("drift", [])],
                          "peak_rss_mb": [m["peak_rss_mb"] for m in memory],
                          "peak_activation_mb": [m["peak_activation_mb"] for m in memory]})
     if job.uninstall is not None:

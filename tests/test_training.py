@@ -71,7 +71,8 @@ def test_shakespeare_trains_evaluates_and_writes_metrics(schedule, shakespeare, 
     assert evals[30] < evals[10], evals
     assert " validation loss at iteration 10 " in out
     if schedule == "paci":
-        assert logged[-1]["max_drift"] == [1, 0]
+        # per iteration the logging stage knows only its own drift; every stage's at the end
+        assert logged[-1]["max_drift"] == [None, 0] and final["max_drift"] == [1, 0]
         assert "PACI pipeline not drained" in out
 
 

@@ -22,7 +22,8 @@ from megatron.core.utils import get_model_config, get_model_type
 
 from ..autograd_versions import ZERO_CENTERED_GAMMA, keep_version_counters
 from ..executor import DriftStats, ReplayIterator, StageExecutor
-from ..schedule import Action, Op, StreamPlan, check_max_drift, drift_bound, plan_stream
+from ..schedule import (Action, Op, StreamPlan, check_max_drift, drift_bound, exchanges,
+                        plan_stream)
 
 STOCK_GET_FORWARD_BACKWARD_FUNC = mcore_schedules.get_forward_backward_func
 
@@ -108,14 +109,8 @@ class MegatronHandlers:
     # communication
     def communicate(self, actions: Sequence[Action]) -> None:
         earlier, self.state.pending_sends = self.state.pending_sends, []
-        batch: Dict[Op, Action] = {}
-        for act in actions:
-            if act.op in batch:
-                self._exchange(batch)
-                batch = {}
-            batch[act.op] = act
-        if batch:
-            self._exchange(batch)
+        for batch in exchanges(actions):
+            self._exchange({act.op: act for act in batch})
         # Sends posted by an earlier exchange are waited for now, after this one is posted:
         # each neighbour receives on a channel in order and needs nothing we send later to
         # get there, so this cannot deadlock; it frees their buffers one exchange later. (gloo
@@ -202,8 +197,9 @@ def pipeline_groups() -> ProcessGroupCollection:
 
 
 def check_no_cross_stage_grad_reduction(model, pg: ProcessGroupCollection) -> None:
-    """finalize_model_grads crosses stages only for tied word embeddings (first <-> last stage)
-    and for position embeddings split over stages; PACI refuses both instead of stalling."""
+    """finalize_model_grads crosses stages for tied word embeddings and multi-token prediction
+    (first <-> last stage), position embeddings split over stages, conditional embedders (all
+    stages) and barriered level-1 timers (all ranks); PACI refuses them instead of stalling."""
     if pg.pp.size() == 1:
         return
     inner = model
@@ -216,6 +212,24 @@ def check_no_cross_stage_grad_reduction(model, pg: ProcessGroupCollection) -> No
             "--untie-embeddings-and-output-weights")
     if pg.pos_embd is not None and pg.pos_embd.size() > 1:
         raise ValueError("PACI does not support position embeddings shared across stages")
+    config = get_model_config(model)
+    if getattr(config, "mtp_num_layers", None):
+        raise ValueError(
+            "PACI does not support multi-token prediction across pipeline stages: "
+            "finalize_model_grads all-reduces the embedding between the first and last stage "
+            "at every step; drop --mtp-num-layers or use one pipeline stage")
+    if getattr(config, "has_cond_embedder", False):
+        raise ValueError(
+            "PACI does not support conditional embedders replicated on every stage: "
+            "finalize_model_grads all-reduces their gradients over the pipeline group at every "
+            "step")
+    timers = getattr(config, "timers", None)
+    if timers is not None and getattr(timers, "_log_level", 0) >= 1 \
+            and getattr(config, "barrier_with_L1_time", False):
+        raise ValueError(
+            "PACI cannot run level-1 timers with barriers: finalize_model_grads and the "
+            "optimizer would barrier all ranks inside each stage's local step; use "
+            "--timing-log-level 0")
 
 
 def grads_are_finite(model, group) -> bool:
