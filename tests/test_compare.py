@@ -111,7 +111,9 @@ def test_sync_iters_run_stock_1f1b_first_then_paci(compared, seed):
     drift = _summary(out, NAME, seed)["drift"]
     assert [row["max"] for row in drift] == [row["bound"] for row in drift] == [1, 0]
     assert [row["steps"] for row in drift] == [K + (ITERS - K) * 2] * 2
-    assert _train(sync, "max_drift")[K - 1] == [0, 0]  # no drift during the warm-up
+    # no drift during the warm-up: at P=2 each PACI step leaves one stage-0 forward in flight
+    # across it (drift 1), except the last one, whose forward the final drain drops
+    assert drift[0]["histogram"].get("1") == (ITERS - K) * 2 - 1
 
 
 def test_seeds_change_the_run(compared):
