@@ -98,22 +98,24 @@ def test_simulator_rejects_broken_lists():
 # Golden lists, derived by hand from the PACI rule (stage s runs P-1-s forwards ahead, then
 # one forward / one backward; a step after every a-th backward; a call ends after its N-th
 # backward and, on s > 0, takes the next input its predecessor already sent).
+# PACI receives the next forward input before its local step ("SB j RF k T j": one fused
+# exchange, see schedule.receive_before_step); the flush baseline has no such receive.
 GOLDEN_CALLS = {
     ("paci", 2, 2, 4): (
         ["F0 SF0 F1 SF1 RB0 B0 F2 SF2 RB1 B1 T1 F3 SF3 RB2 B2 F4 SF4 RB3 B3 T3",
-         "RF0 F0 B0 SB0 RF1 F1 B1 SB1 T1 RF2 F2 B2 SB2 RF3 F3 B3 SB3 T3 RF4"],
+         "RF0 F0 B0 SB0 RF1 F1 B1 SB1 RF2 T1 F2 B2 SB2 RF3 F3 B3 SB3 RF4 T3"],
         ["F5 SF5 RB4 B4 F6 SF6 RB5 B5 T5 F7 SF7 RB6 B6 F8 SF8 RB7 B7 T7",
-         "F4 B4 SB4 RF5 F5 B5 SB5 T5 RF6 F6 B6 SB6 RF7 F7 B7 SB7 T7 RF8"]),
+         "F4 B4 SB4 RF5 F5 B5 SB5 RF6 T5 F6 B6 SB6 RF7 F7 B7 SB7 RF8 T7"]),
     ("paci", 3, 1, 3): (
         ["F0 SF0 F1 SF1 F2 SF2 RB0 B0 T0 F3 SF3 RB1 B1 T1 F4 SF4 RB2 B2 T2",
-         "RF0 F0 SF0 RF1 F1 SF1 RB0 B0 SB0 T0 RF2 F2 SF2 RB1 B1 SB1 T1 RF3 F3 SF3 RB2 B2 SB2 T2 RF4",
-         "RF0 F0 B0 SB0 T0 RF1 F1 B1 SB1 T1 RF2 F2 B2 SB2 T2 RF3"],
+         "RF0 F0 SF0 RF1 F1 SF1 RB0 B0 SB0 RF2 T0 F2 SF2 RB1 B1 SB1 RF3 T1 F3 SF3 RB2 B2 SB2 RF4 T2",
+         "RF0 F0 B0 SB0 RF1 T0 F1 B1 SB1 RF2 T1 F2 B2 SB2 RF3 T2"],
         ["F5 SF5 RB3 B3 T3 F6 SF6 RB4 B4 T4 F7 SF7 RB5 B5 T5",
-         "F4 SF4 RB3 B3 SB3 T3 RF5 F5 SF5 RB4 B4 SB4 T4 RF6 F6 SF6 RB5 B5 SB5 T5 RF7",
-         "F3 B3 SB3 T3 RF4 F4 B4 SB4 T4 RF5 F5 B5 SB5 T5 RF6"]),
+         "F4 SF4 RB3 B3 SB3 RF5 T3 F5 SF5 RB4 B4 SB4 RF6 T4 F6 SF6 RB5 B5 SB5 RF7 T5",
+         "F3 B3 SB3 RF4 T3 F4 B4 SB4 RF5 T4 F5 B5 SB5 RF6 T5"]),
     ("paci", 2, 1, 1): (
-        ["F0 SF0 F1 SF1 RB0 B0 T0", "RF0 F0 B0 SB0 T0 RF1"],
-        ["F2 SF2 RB1 B1 T1", "F1 B1 SB1 T1 RF2"]),
+        ["F0 SF0 F1 SF1 RB0 B0 T0", "RF0 F0 B0 SB0 RF1 T0"],
+        ["F2 SF2 RB1 B1 T1", "F1 B1 SB1 RF2 T1"]),
     ("flush", 2, 2, 2): (
         ["F0 SF0 F1 SF1 RB0 B0 RB1 B1 T1", "RF0 F0 B0 SB0 RF1 F1 B1 SB1 T1"],
         ["F2 SF2 F3 SF3 RB2 B2 RB3 B3 T3", "RF2 F2 B2 SB2 RF3 F3 B3 SB3 T3"]),
@@ -160,7 +162,8 @@ def test_stream_calls_are_prefixes_of_one_paci_list(P, a, k):
             assert _count(acts, Op.FORWARD) - _count(acts, Op.BACKWARD) == P - 1 - s
             if s > 0:
                 assert _count(acts, Op.RECV_F) == _count(acts, Op.FORWARD) + 1
-                assert acts[-1].op is Op.RECV_F
+                # the next input comes in before the step that closes the call
+                assert [x.op for x in acts[-2:]] == [Op.RECV_F, Op.STEP]
         for s in range(P - 1):  # the link s -> s+1 is empty at the call boundary
             assert _count(joined[s], Op.SEND_F) == _count(joined[s + 1], Op.RECV_F)
             assert _count(joined[s + 1], Op.SEND_B) == _count(joined[s], Op.RECV_B)
