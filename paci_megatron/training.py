@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from .mcore import build, checkpoint
 from .mcore import runtime as mcore_runtime
 from .memory import SavedTensorMeter
 from .registry import SCHEDULES, ScheduleOptions
+from .restart import SaveClock, describe_mismatch, restart_count, run_fingerprint, trim_metrics
 
 
 def _log(msg: str) -> None:
@@ -56,6 +58,7 @@ class Job:
     forward_step: Any = None  # build.gpt_forward_step, metered with --measure-activation-memory
     meter: Any = None
     started: float = field(default_factory=time.perf_counter)
+    save_clock: Optional[SaveClock] = None  # --save-interval-minutes
 
 
 def _gpt_spec(args):
@@ -84,12 +87,29 @@ def preflight(args):
         tokenizer = data.build_tokenizer(kind, args.tokenizer_model, vocab_size=vocab)
         if args.data_path is not None:
             data.check_indexed_dataset(args.data_path)
+        args.vocab_size = tokenizer.vocab_size  # NullTokenizer adds its end-of-document id
         if args.load:
-            checkpoint.find_checkpoint(args.load)
+            _check_checkpoint_matches(args)
     except ValueError as exc:  # CheckpointError is one too
         raise ConfigError(str(exc)) from None
-    args.vocab_size = tokenizer.vocab_size  # NullTokenizer adds its end-of-document id
     return tokenizer
+
+
+def _check_checkpoint_matches(args) -> None:
+    """The newest complete checkpoint under --load must come from a run like this one (same
+    parallel layout, schedule, accumulation factor and model shape): raises naming each flag
+    that differs. A missing or empty --load directory passes (the run starts from scratch)."""
+    from .arguments import ConfigError
+
+    path = checkpoint.find_checkpoint(args.load)
+    if path is None:
+        return
+    problems = describe_mismatch(checkpoint.read_extra(path).get("run"), run_fingerprint(args))
+    if problems:
+        raise ConfigError(
+            f"--load {args.load}: checkpoint {path} was written by a different run: "
+            f"{'; '.join(problems)}. Resume with the checkpoint's settings, or --save to a new "
+            "directory (resharding a checkpoint to another layout is not supported)")
 
 
 def _datasets(args, tokenizer):
@@ -145,34 +165,67 @@ def setup(args, opts: ScheduleOptions) -> Job:
     job = Job(args, opts, info, spec, model, optimizer, lr_scheduler, runtime,
               mcore_runtime.get_forward_backward_func(), datasets, reporter, uninstall=uninstall)
     if args.load:
-        state = checkpoint.load_checkpoint(args.load, model, optimizer, lr_scheduler)
-        job.iteration = state["iteration"]
-        job.consumed = int(state["extra"].get("consumed_samples", job.iteration * gbs))
-        if runtime is not None:  # weight versions count local steps since the start
-            runtime.drift.version = job.iteration * (args.num_microbatches // opts.accumulation)
-        if reporter:
-            _log(f"> loaded checkpoint from {args.load} at iteration {job.iteration} "
-                 f"({job.consumed} samples consumed)")
+        _load(job)
+    restart = restart_count(os.environ)
+    if reporter and restart:
+        _log(f"> restart {restart} of this job (torchrun TORCHELASTIC_RESTART_COUNT={restart}, "
+             f"--max-restarts {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}): resumed from "
+             f"iteration {job.iteration}")
     job.train_data = _batches(job, datasets[0], job.consumed)
     job.forward_step = build.gpt_forward_step
     if args.measure_activation_memory:
         job.meter = SavedTensorMeter(p for chunk in model for p in chunk.parameters())
         job.forward_step = job.meter.wrap(build.gpt_forward_step)
+    resumed = job.iteration > 0 or restart > 0  # records after job.iteration are replayed
     if reporter and args.metrics_file:
+        if resumed:
+            _trim_metrics(args.metrics_file, job.iteration)
         job.metrics = open(args.metrics_file, "a")
     if reporter and args.tensorboard_dir:
-        job.tensorboard = _tensorboard(args.tensorboard_dir)
+        job.tensorboard = _tensorboard(args.tensorboard_dir,
+                                       purge_step=job.iteration + 1 if resumed else None)
+    if args.save_interval_minutes:
+        job.save_clock = SaveClock(args.save_interval_minutes * 60.0, job.iteration,
+                                   time.perf_counter())
     return job
 
 
-def _tensorboard(path: str):
+def _load(job: Job) -> None:
+    """Resume from the newest complete checkpoint under --load, or start from scratch (one line
+    says so) while there is none: Megatron-LM's ``--save DIR --load DIR`` from the first
+    launch, and what a restart by ``torchrun --max-restarts`` needs."""
+    args = job.args
+    if checkpoint.find_checkpoint(args.load) is None:
+        if job.reporter:
+            _log(f"> --load {args.load}: no checkpoint there yet; starting from scratch")
+        return
+    state = checkpoint.load_checkpoint(args.load, job.model, job.optimizer, job.lr_scheduler)
+    job.iteration = state["iteration"]
+    job.consumed = int(state["extra"].get("consumed_samples",
+                                          job.iteration * args.global_batch_size))
+    if job.runtime is not None:  # weight versions count local steps since the start
+        job.runtime.drift.version = job.iteration * (args.num_microbatches // job.opts.accumulation)
+    if job.reporter:
+        _log(f"> loaded checkpoint from {args.load} at iteration {job.iteration} "
+             f"({job.consumed} samples consumed; {state['path']})")
+
+
+def _trim_metrics(path: str, iteration: int) -> None:
+    kept, dropped = trim_metrics(path, iteration)
+    if dropped:
+        _log(f"> --metrics-file {path}: dropped {dropped} records after iteration {iteration} "
+             f"(kept {kept}); the resumed run writes those iterations again, once")
+
+
+def _tensorboard(path: str, purge_step: Optional[int] = None):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         _log("> --tensorboard-dir: tensorboard is not installed (pip install tensorboard); "
              "scalars are not written")
         return None
-    return SummaryWriter(log_dir=path)
+    # purge_step: events of replayed steps (from before a restart) are discarded
+    return SummaryWriter(log_dir=path, purge_step=purge_step)
 
 
 def _pipeline_stats(job: Job) -> Optional[List[Dict]]:
@@ -264,9 +317,32 @@ def save(job: Job) -> None:
                  "in-flight forwards; their data is replayed)")
     path = checkpoint.save_checkpoint(
         job.args.save, job.iteration, job.model, job.optimizer, job.lr_scheduler,
-        extra={"consumed_samples": job.consumed, "schedule": job.args.pipeline_schedule})
+        extra={"consumed_samples": job.consumed, "schedule": job.args.pipeline_schedule,
+               "run": run_fingerprint(job.args)})
+    if job.save_clock is not None:
+        job.save_clock.saved(time.perf_counter())
     if job.reporter:
         _log(f"> saved checkpoint at iteration {job.iteration} to {path}")
+
+
+def _save_is_due(job: Job) -> bool:
+    """--save-interval (iterations) or --save-interval-minutes (wall-clock time). The time
+    decision is global rank 0's, taken at check points every rank knows in advance (see
+    SaveClock), so the stages agree on the iteration with no collective in between."""
+    args = job.args
+    if not args.save or job.iteration >= args.train_iters:
+        return False
+    due = bool(args.save_interval and job.iteration % args.save_interval == 0)
+    clock = job.save_clock
+    if clock is not None and clock.is_check_point(job.iteration):
+        now = time.perf_counter()
+        by_time, next_check = mcore_runtime.take_rank0s(clock.propose(job.iteration, now))
+        clock.agree(job.iteration, next_check, now)
+        if by_time and not due and job.reporter:
+            _log(f"> saving at iteration {job.iteration}: --save-interval-minutes "
+                 f"{args.save_interval_minutes:g} passed since the last save")
+        due = due or by_time
+    return due
 
 
 def _log_iteration(job: Job, step: Dict, elapsed_ms: float) -> None:
@@ -325,8 +401,7 @@ def train(args, opts: ScheduleOptions) -> Dict:
         if args.eval_interval and job.iteration % args.eval_interval == 0:
             _write_metrics(job, {"iteration": job.iteration, "validation_loss": evaluate(job)})
             t_last = time.perf_counter()
-        if args.save and args.save_interval and job.iteration % args.save_interval == 0 \
-                and job.iteration < args.train_iters:
+        if _save_is_due(job):
             save(job)
             t_last = time.perf_counter()
     summary = finish(job)
@@ -359,6 +434,9 @@ def finish(job: Job) -> Dict:
         evaluate(job)
     validation = job.last_eval[1]
     summary["validation_loss"] = validation
+    # one digest per pipeline stage (this rank's pipeline group: tensor and data rank fixed)
+    summary["weights_sha256"] = mcore_runtime.gather_across_pipeline(
+        checkpoint.weights_sha256(job.model))
     if args.save:
         save(job)
     memory = mcore_runtime.gather_across_pipeline(_memory_record(job))
