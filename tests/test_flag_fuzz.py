@@ -14,6 +14,8 @@ ACCEPTED = {
     ("--hidden-dropout", "0"), ("--attention-dropout", "0"), ("--clip-grad", "0"),
     ("--lr-warmup-iters", "0"), ("--adam-beta1", "0"), ("--adam-beta2", "0"),
     ("--save", "abc"), ("--save", "0"), ("--save", "-1"), ("--save", "1e400"),
+    # a missing --load directory starts from scratch (Megatron-LM's --save DIR --load DIR)
+    ("--load", "abc"), ("--load", "0"), ("--load", "-1"), ("--load", "1e400"),
     ("--metrics-file", "abc"), ("--metrics-file", "0"), ("--metrics-file", "-1"),
     ("--metrics-file", "1e400"),
     ("--tensorboard-dir", "abc"), ("--tensorboard-dir", "0"), ("--tensorboard-dir", "-1"),
@@ -60,6 +62,7 @@ def test_bad_values_are_refused_with_the_flag_named(flag, capsys):
       "--num-layers", "4"], "virtual"),
     (["--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size 3"),
     (["--save-interval", "5"], "--save-interval needs --save"),
+    (["--save-interval-minutes", "5"], "--save-interval-minutes needs --save"),
     (["--recompute-granularity", "full"], "--recompute-method"),
     (["--mock-data", "--data-path", "x"], "exclusive"),
     (["--min-lr", "1", "--lr", "0.1"], "--min-lr"),
