@@ -134,3 +134,19 @@ class SaveClock:
     def saved(self, now: float) -> None:
         """Any save (by time, by --save-interval) restarts the interval."""
         self.last_save = now
+
+
+def exit_with_parent(parent_pid: int) -> None:
+    """Run first in a helper process: make it die when ``parent_pid`` (its parent) dies, even
+    by SIGKILL (Linux ``PR_SET_PDEATHSIG``; elsewhere a no-op). Without it a helper of a killed
+    worker outlives the restart, holding memory and the launcher's output pipes."""
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the parent died before the line above
+        os._exit(0)

@@ -20,6 +20,8 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from ..restart import exit_with_parent
+
 LATEST = "latest_checkpointed_iteration.txt"
 COMPLETE = "paci_complete"
 
@@ -85,6 +87,25 @@ def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
+def _writer_queue_dies_with_this_process() -> None:
+    """torch_dist saving keeps, for the life of the process, a ``multiprocessing`` Manager
+    (spawned; it serves the queue of write results). A worker killed by SIGKILL would leave
+    that Manager running, with the worker's memory image and its output pipes, after torchrun
+    restarted the job. Create the queue here instead, in a Manager that dies with its worker;
+    a no-op where Megatron-Core keeps the queue elsewhere."""
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", True) is not None \
+            or not hasattr(filesystem_async, "_get_write_results_queue"):
+        return
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer=exit_with_parent, initargs=(os.getpid(),))
+    filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
+
+
 def save_checkpoint(root: str, iteration: int, model, optimizer, lr_scheduler,
                     extra: Optional[Dict] = None) -> str:
     final = iteration_dir(root, iteration)
@@ -99,6 +120,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, lr_scheduler,
     state["lr_scheduler"] = lr_scheduler.state_dict()
     state["iteration"] = iteration
     state["extra"] = dict(extra or {})
+    _writer_queue_dies_with_this_process()
     dist_checkpointing.save(state, tmp)
     _barrier()
     if rank0:
