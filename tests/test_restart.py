@@ -151,6 +151,7 @@ def test_checkpoint_of_another_run_is_refused_naming_what_differs(uninterrupted,
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # the check itself is tested above, in process
 def test_checkpoint_of_another_pipeline_size_stops_the_entry_point(uninterrupted):
     code, out, err = run_torchrun(
         "pretrain_gpt_paci.py", P4 + ["--pipeline-model-parallel-size", "2",
@@ -163,17 +164,17 @@ def test_checkpoint_of_another_pipeline_size_stops_the_entry_point(uninterrupted
 
 @pytest.mark.dist
 def test_time_based_saves_happen_where_every_stage_agrees(tmp_path):
-    """--save-interval-minutes 0.01 (0.6 s): rank 0 decides at check points that every rank
+    """--save-interval-minutes 0.002 (0.12 s): rank 0 decides at check points that every rank
     knows in advance; a save every stage did not agree on would deadlock (timeout)."""
     ckpt = tmp_path / "ckpt"
     _, out, _ = run_torchrun("pretrain_gpt_paci.py", [
         "--untie-embeddings-and-output-weights", "--num-layers", "2", "--hidden-size", "32",
-        "--seq-length", "16", "--train-iters", "30", "--save", str(ckpt),
-        "--save-interval-minutes", "0.01", "--distributed-timeout-minutes", "1"],
+        "--seq-length", "16", "--train-iters", "16", "--save", str(ckpt),
+        "--save-interval-minutes", "0.002", "--distributed-timeout-minutes", "1"],
         nproc=2, timeout=240)
-    timed = [l for l in out.splitlines() if "--save-interval-minutes 0.01 passed" in l]
+    timed = [l for l in out.splitlines() if "--save-interval-minutes 0.002 passed" in l]
     saved = [l for l in out.splitlines() if l.startswith("> saved checkpoint at iteration")]
-    assert timed and len(saved) == len(timed) + 1  # + the final save at 30
+    assert timed and len(saved) == len(timed) + 1  # + the final save at 16
     saved_dirs = sorted(p for p in os.listdir(ckpt) if p.startswith("iter_"))
     assert len(saved_dirs) == len(saved) and not any(p.endswith(".tmp") for p in saved_dirs)
 
