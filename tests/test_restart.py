@@ -49,7 +49,7 @@ def _job(tmp_path, name, script="pretrain_gpt_paci.py", fault=None, timeout=400)
     """One launch with --save DIR --load DIR (DIR missing at first); with ``fault`` under
     torchrun --max-restarts 2 and tests/workers/restart_job.py injecting it."""
     ckpt, metrics = tmp_path / name, tmp_path / f"{name}.jsonl"
-    env = {"PACI_TEST_KILL": fault} if fault else None
+    env = {"PACI_TEST_FAULT": fault} if fault else None
     _, out, err = run_torchrun(
         script, P4 + ["--save", str(ckpt), "--load", str(ckpt), "--save-interval", "3",
                       "--metrics-file", str(metrics)],
@@ -164,14 +164,15 @@ def test_checkpoint_of_another_pipeline_size_stops_the_entry_point(uninterrupted
 
 @pytest.mark.dist
 def test_time_based_saves_happen_where_every_stage_agrees(tmp_path):
-    """--save-interval-minutes 0.002 (0.12 s): rank 0 decides at check points that every rank
-    knows in advance; a save every stage did not agree on would deadlock (timeout)."""
+    """--save-interval-minutes 0.002 (0.12 s) with rank 1's clock running 5 times too fast:
+    rank 0 decides at check points every rank knows in advance, so both save at the same
+    iterations; a save the stages did not agree on would deadlock (and time out)."""
     ckpt = tmp_path / "ckpt"
-    _, out, _ = run_torchrun("pretrain_gpt_paci.py", [
+    _, out, _ = run_torchrun("tests/workers/restart_job.py", [
         "--untie-embeddings-and-output-weights", "--num-layers", "2", "--hidden-size", "32",
         "--seq-length", "16", "--train-iters", "16", "--save", str(ckpt),
-        "--save-interval-minutes", "0.002", "--distributed-timeout-minutes", "1"],
-        nproc=2, timeout=240)
+        "--save-interval-minutes", "0.002", "--distributed-timeout-minutes", "0.5"],
+        nproc=2, timeout=150, env={"PACI_TEST_FAULT": "fast_clock:1:5"})
     timed = [l for l in out.splitlines() if "--save-interval-minutes 0.002 passed" in l]
     saved = [l for l in out.splitlines() if l.startswith("> saved checkpoint at iteration")]
     assert timed and len(saved) == len(timed) + 1  # + the final save at 16

@@ -1,10 +1,13 @@
 """pretrain_gpt_paci.py with one fault injected on the first launch only, for the restart tests
 (run under ``torchrun --max-restarts N``; later launches train undisturbed).
 
-    PACI_TEST_KILL=before_iteration:RANK:N     rank RANK SIGKILLs itself as iteration N starts
-    PACI_TEST_KILL=during_save:RANK:ITERATION  rank RANK SIGKILLs itself inside the save of
+    PACI_TEST_FAULT=before_iteration:RANK:N    rank RANK SIGKILLs itself as iteration N starts
+    PACI_TEST_FAULT=during_save:RANK:ITERATION rank RANK SIGKILLs itself inside the save of
                                                ITERATION (its iter_N.tmp exists, nothing written
                                                by this rank yet)
+    PACI_TEST_FAULT=fast_clock:RANK:FACTOR     the training loop's clock runs FACTOR times too
+                                               fast on rank RANK (time-based saves must still
+                                               happen at the same iteration on every rank)
 
 Prints ``PACI_TEST_KILLED <unix time>`` just before the kill and, on a restarted launch,
 ``PACI_TEST_FIRST_ITERATION <unix time>`` when the reporting rank finished its first iteration
@@ -27,7 +30,7 @@ def _kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _inject(kind: str, rank: int, iteration: int) -> None:
+def _inject(kind: str, rank: int, iteration: int) -> None:  # iteration: FACTOR for fast_clock
     if int(os.environ["RANK"]) != rank:
         return
     if kind == "before_iteration":
@@ -53,8 +56,20 @@ def _inject(kind: str, rank: int, iteration: int) -> None:
                 return real.save(state, path, *args, **kwargs)
 
         checkpoint.dist_checkpointing = DyingWriter()
+    elif kind == "fast_clock":
+        real, start = time.perf_counter, time.perf_counter()
+
+        class FastClock:
+            def __getattr__(self, name):
+                return getattr(time, name)
+
+            @staticmethod
+            def perf_counter():
+                return start + (real() - start) * iteration
+
+        training.time = FastClock()
     else:
-        raise ValueError(f"PACI_TEST_KILL: unknown fault {kind!r}")
+        raise ValueError(f"PACI_TEST_FAULT: unknown fault {kind!r}")
 
 
 def _report_first_iteration() -> None:
@@ -72,7 +87,7 @@ def _report_first_iteration() -> None:
 
 
 def main() -> int:
-    fault = os.environ.get("PACI_TEST_KILL")
+    fault = os.environ.get("PACI_TEST_FAULT")
     if restart_count(os.environ) == 0 and fault:
         kind, rank, iteration = fault.split(":")
         _inject(kind, int(rank), int(iteration))
