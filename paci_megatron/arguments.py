@@ -155,6 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--measure-activation-memory", action="store_true",
                    help="count the bytes autograd keeps for backward (per stage peak in the "
                         "final metrics record)")
+    g.add_argument("--measure-memory", action="store_true",
+                   help="on CPU, count every live tensor of each stage (weights, gradients, "
+                        "optimizer state and temporaries, activations, buffers; slows training) "
+                        "for the per-stage peak_memory_mb; on CUDA the allocator's peak is "
+                        "always reported")
     g.add_argument("--metrics-file", type=_path("--metrics-file"), default=None,
                    help="append one JSON object per logged iteration (and a final one)")
     g = p.add_argument_group("pipeline schedule")
@@ -170,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "activations; training then continues as if it had flushed there). "
                         "Default: evaluate between iterations without draining, which leaves "
                         "training unchanged")
+    g.add_argument("--paci-sync-iters", type=_bounded_int("--paci-sync-iters", 0), default=0,
+                   help="synchronous warm start: run the first K iterations as stock 1F1B "
+                        "(flush, one step per iteration), then PACI with no drain at the "
+                        "switch (default 0)")
     g.add_argument("--paci-on-nonfinite", choices=["skip", "abort"], default="skip",
                    help="a NaN/Inf gradient at a stage's step: skip that update (and count it) "
                         "or stop the job")
@@ -244,8 +253,11 @@ def validate(args: argparse.Namespace, world_size: int) -> ScheduleOptions:
         pipeline_size=pp, virtual_size=vpp, num_microbatches=num_mb,
         accumulation=args.paci_accumulation_factor, max_drift=args.paci_max_drift,
         micro_batch_size=args.micro_batch_size, data_parallel_size=dp,
-        on_nonfinite=args.paci_on_nonfinite,
+        on_nonfinite=args.paci_on_nonfinite, sync_iters=args.paci_sync_iters,
     )
+    if args.paci_sync_iters and args.pipeline_schedule != "paci":
+        raise ConfigError(f"--paci-sync-iters {args.paci_sync_iters} only applies to "
+                          "--pipeline-schedule paci; drop it")
     try:
         entry.check(opts)
     except ValueError as exc:

@@ -26,3 +26,12 @@ def keep_version_counters(params: Sequence[torch.Tensor]):
     versions = tuple(p._version for p in params)
     yield
     setter(params, versions)
+
+
+# Layers that derive a tensor from a weight in the forward and let autograd save it would
+# backpropagate through the forward-time values after a local step (BackwardAudit shows it).
+ZERO_CENTERED_GAMMA = (
+    "--pipeline-schedule paci does not support --apply-layernorm-1p (zero-centred LayerNorm "
+    "gamma): its forward computes weight + 1 and autograd saves that copy, so a backward after "
+    "a local step would use the old gamma while PACI's contract is the current weights; drop "
+    "--apply-layernorm-1p or use --pipeline-schedule 1f1b")

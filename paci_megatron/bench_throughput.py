@@ -18,7 +18,8 @@ overheads explain.
 Interleaved 1F1B is not measured: its virtual chunks wrap from the last stage back to the
 first and several chunks share one stage, which ``schedule.py``'s channels and the lockstep
 simulator (one clock per list) cannot express. It is reported from its closed-form time
-``(M + (P-1)/v) * (tf+tb)`` as "interleaved (model)", where Megatron accepts it (M % P == 0).
+``(M + (P-1)/v) * (tf+tb) + step`` as "interleaved (model)", where Megatron accepts it
+(M % P == 0). The ideal is ``M(tf+tb) + step``: every stage steps once per update.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from .executor import DriftStats, StageExecutor
 from .schedule import (RECV_OPS, SEND_OPS, Action, Op, Schedule, channel, drift_bound, peer,
                        plan_stream)
-from .simulate import Costs, Event, run_lockstep
+from .simulate import Costs, Event, NcclModel, run_lockstep, run_stream_nccl
 
 KINDS = ("flush", "paci")
 COMPUTE_NAMES = {Op.FORWARD: "compute", Op.BACKWARD: "compute", Op.STEP: "step"}
@@ -225,15 +226,20 @@ def stream_schedule(kind: str, num_stages: int, microbatches: int, calls: int) -
 
 
 def simulate_stream(kind: str, num_stages: int, microbatches: int, bench: Bench,
-                    costs: Optional[Costs] = None) -> Tuple[float, List[List[Event]]]:
+                    costs: Optional[Costs] = None,
+                    nccl: Optional[NcclModel] = None) -> Tuple[float, List[List[Event]]]:
     """Simulated time per update (slowest stage over the timed calls) and the timeline.
 
-    ``run_lockstep`` rather than ``simulate``: a PACI stream cut after a call still has
+    ``run_lockstep`` (sends never block, like gloo here) or, with ``nccl``, ``run_stream_nccl``
+    (NCCL's pairing rules) rather than ``simulate``: a PACI stream cut after a call still has
     forwards in flight, which ``simulate``'s whole-schedule checks reject by design.
     """
     plan = plan_stream(kind, num_stages, microbatches, microbatches)
-    sched = stream_schedule(kind, num_stages, microbatches, bench.calls)
-    events = run_lockstep(sched, costs or bench.costs())
+    if nccl is None:
+        sched = stream_schedule(kind, num_stages, microbatches, bench.calls)
+        events = run_lockstep(sched, costs or bench.costs())
+    else:
+        events = run_stream_nccl(plan, bench.calls, costs or bench.costs(), nccl)
     worst = 0.0
     for s, evs in enumerate(events):
         before = sum(len(plan.call(k)[s]) for k in range(bench.warmup))
@@ -297,7 +303,8 @@ def interleaved_model(num_stages: int, microbatches: int, chunks: int,
     """Closed-form interleaved 1F1B time per update; None where Megatron refuses it."""
     if chunks < 2 or microbatches % num_stages:
         return None
-    return (microbatches + (num_stages - 1) / chunks) * (bench.forward_s + bench.backward_s)
+    return ((microbatches + (num_stages - 1) / chunks) * (bench.forward_s + bench.backward_s)
+            + bench.step_s)
 
 
 def summarize(num_stages: int, microbatches: int, repeats: Dict[str, List[List[dict]]],
@@ -319,16 +326,21 @@ def summarize(num_stages: int, microbatches: int, repeats: Dict[str, List[List[d
         row[f"simulated_sec_per_update_{suffix}"] = simulate_stream(kind, P, M, bench)[0]
         row[f"simulated_with_overheads_sec_per_update_{suffix}"] = \
             simulate_stream(kind, P, M, bench, costs)[0]
+        row[f"simulated_nccl_sec_per_update_{suffix}"] = \
+            simulate_stream(kind, P, M, bench, nccl=NcclModel())[0]
         row[f"message_latency_ms_{suffix}"] = costs.comm * 1e3
         row[f"sleep_overshoot_ms_{suffix}"] = (costs.forward - bench.forward_s) * 1e3
-    ideal = M * (bench.forward_s + bench.backward_s)
+    # every stage steps once per update: M(tf+tb) + step for PACI, plus the bubble for 1F1B
+    per_mb = bench.forward_s + bench.backward_s
+    ideal = M * per_mb + bench.step_s
     row.update({
         "sec_per_update_interleaved_model": interleaved_model(P, M, chunks, bench),
         "virtual_chunks": chunks,
         "sec_per_update_ideal": ideal,
         "ratio": row["sec_per_update_1f1b"] / row["sec_per_update_paci"],
-        "ideal_ratio": (M + P - 1) / M,
+        "ideal_ratio": ((M + P - 1) * per_mb + bench.step_s) / ideal,
         "paci_over_ideal": row["sec_per_update_paci"] / ideal,
+        "simulated_nccl_paci_over_ideal": row["simulated_nccl_sec_per_update_paci"] / ideal,
         "simulated_ratio": (row["simulated_sec_per_update_1f1b"]
                             / row["simulated_sec_per_update_paci"]),
     })
@@ -347,10 +359,11 @@ TABLE_COLUMNS = (
     ("interleaved (model) s/upd", "sec_per_update_interleaved_model", "{:.4f}"),
     ("PACI s/upd", "sec_per_update_paci", "{:.4f}"),
     ("ratio 1F1B/PACI", "ratio", "{:.3f}"),
-    ("ideal (M+P-1)/M", "ideal_ratio", "{:.3f}"),
+    ("ideal ratio", "ideal_ratio", "{:.3f}"),
     ("ratio/ideal", "ratio_over_ideal", "{:.1%}"),
     ("ideal s/upd", "sec_per_update_ideal", "{:.4f}"),
     ("PACI/ideal", "paci_over_ideal", "{:.3f}"),
+    ("sim NCCL PACI/ideal", "simulated_nccl_paci_over_ideal", "{:.3f}"),
     ("sim 1F1B", "simulated_sec_per_update_1f1b", "{:.4f}"),
     ("sim PACI", "simulated_sec_per_update_paci", "{:.4f}"),
     ("sim ratio", "simulated_ratio", "{:.3f}"),
@@ -436,7 +449,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="micro-batches per update; the accumulation factor a is M")
     parser.add_argument("--forward-ms", type=float, default=20.0)
     parser.add_argument("--backward-ms", type=float, default=40.0)
-    parser.add_argument("--step-ms", type=float, default=0.0)
+    parser.add_argument("--step-ms", type=float, default=0.0,
+                        help="each stage's optimizer step (a realistic one costs about one to "
+                             "three forwards: try --step-ms = --forward-ms and 3x that)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed updates W (>= 1)")
     parser.add_argument("--updates", type=int, default=5, help="timed updates K")
     parser.add_argument("--repeats", type=int, default=3,
@@ -500,8 +515,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"W={bench.warmup} warm-up + K={bench.updates} timed updates per schedule, median "
           f"of {bench.repeats} repeats. "
           f"interleaved (model) = (M + (P-1)/v)(tf+tb) with v={args.virtual_chunks}, not "
-          "measured. sim = same action lists, same costs, zero latency; sim+overheads = with "
-          "the measured mean message latency and sleep overshoot added.")
+          "measured. ideal = M(tf+tb) + step; ideal ratio = ((M+P-1)(tf+tb) + step) / ideal. "
+          "sim = same action lists, same costs, zero latency; sim NCCL = under NCCL's batched "
+          "p2p pairing (simulate.NcclModel); sim+overheads = with the measured mean message "
+          "latency and sleep overshoot added.")
     print(format_table(rows))
     for row in rows:
         print(json.dumps(row))

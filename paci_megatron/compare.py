@@ -1,14 +1,28 @@
 """Run one training config under several schedules and write a side-by-side report.
 
     python -m paci_megatron.compare --schedules 1f1b,paci --out DIR [--nproc-per-node 2] \\
-        -- <pretrain_gpt_paci.py flags>
+        [--run NAME="FLAGS"]... [--seeds 1234,1235] -- <pretrain_gpt_paci.py flags>
 
-Default schedules: 1f1b, interleaved (when each stage has at least two layers), paci, and
-paci-a1 (paci with --paci-accumulation-factor 1: a step after every backward, the unbounded
-"PipeDream without stash" reference). Runs one after another, then writes DIR/report.md (final
-and best validation loss, iterations and wall time to reach 1F1B's final validation loss,
-tokens/s, peak memory per stage, max drift) and two plots: loss against consumed samples and
-against wall time.
+Built-in runs (``--schedules``; default, without ``--run``: all of them): 1f1b, interleaved
+(when each stage has at least two layers), paci, and paci-a1 (paci with
+--paci-accumulation-factor 1: a step after every backward, the unbounded "PipeDream without
+stash" reference). ``--run NAME="FLAGS"`` adds a named run with its own extra flags, e.g.
+``--run paci-a4="--pipeline-schedule paci --paci-accumulation-factor 4"``. ``--seeds`` repeats
+every run with each ``--seed``; the report gives the mean and the sample standard deviation
+over seeds of every figure.
+
+Runs one after another, then writes DIR/report.md and plots (loss against consumed samples,
+wall time and projected accelerator time):
+- per run: final and best validation loss, tokens/s, the simulator's projected time per
+  iteration, peak memory and drift per stage;
+- time to accuracy: for each target loss (the baseline's final and mid-run validation loss,
+  per seed, plus ``--targets``), the samples, optimizer updates, wall time and projected
+  accelerator time at which each run's validation curve first reaches it (interpolated
+  between evaluations), and the projected time-to-accuracy speed-up over the baseline.
+
+The projection (``tta.py``) runs each schedule's action lists for this P and M through the
+lockstep simulator with per-action costs from ``--project-forward-ms`` /
+``--project-backward-ms`` / ``--project-step-ms`` (default 1 : 2 : 0).
 """
 
 from __future__ import annotations
@@ -17,16 +31,34 @@ import argparse
 import json
 import math
 import os
+import re
+import shlex
 import subprocess
 import sys
-from typing import Dict, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from . import tta
+from .simulate import Costs
 
 ENTRY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                      "pretrain_gpt_paci.py")
+BUILT_IN = ("1f1b", "interleaved", "paci", "paci-a1")
+X_SAMPLES, X_UPDATES, X_WALL, X_PROJECTED = range(4)  # x values of a curve point
+
+
+class CompareError(ValueError):
+    """Bad compare flags; the message names the flag and the fix."""
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    name: str
+    flags: Tuple[str, ...]
 
 
 def schedule_flags(name: str, layers_per_stage: int) -> Optional[List[str]]:
-    """Extra flags for a named run; None when it does not apply to this config."""
+    """Extra flags for a built-in run; None when it does not apply to this config."""
     if name == "1f1b":
         return ["--pipeline-schedule", "1f1b"]
     if name == "interleaved":
@@ -38,60 +70,156 @@ def schedule_flags(name: str, layers_per_stage: int) -> Optional[List[str]]:
         return ["--pipeline-schedule", "paci"]
     if name == "paci-a1":
         return ["--pipeline-schedule", "paci", "--paci-accumulation-factor", "1"]
-    raise ValueError(f"--schedules: unknown run {name!r}; known: 1f1b, interleaved, paci, paci-a1")
+    raise CompareError(f"--schedules: unknown run {name!r}; known: {', '.join(BUILT_IN)} "
+                       "(define others with --run NAME=\"FLAGS\")")
+
+
+def parse_run(text: str) -> RunSpec:
+    """``NAME=FLAGS`` (FLAGS split like a shell would) into a named run."""
+    name, sep, flags = text.partition("=")
+    name = name.strip()
+    if not sep or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", name):
+        raise CompareError(f"--run {text!r}: expected NAME=\"FLAGS\" with a name of letters, "
+                           "digits and _.+- (e.g. --run paci-a4=\"--pipeline-schedule paci "
+                           "--paci-accumulation-factor 4\")")
+    try:
+        return RunSpec(name, tuple(shlex.split(flags)))
+    except ValueError as exc:
+        raise CompareError(f"--run {name}: cannot split its flags ({exc})") from None
+
+
+def parse_seeds(text: Optional[str]) -> List[Optional[int]]:
+    if text is None:
+        return [None]
+    try:
+        seeds = [int(s) for s in text.split(",")]
+    except ValueError:
+        raise CompareError(f"--seeds {text!r}: expected comma-separated whole numbers, "
+                           "e.g. --seeds 1234,1235") from None
+    if any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
+        raise CompareError(f"--seeds {text!r}: seeds must be distinct and >= 0")
+    return seeds
 
 
 def _flag(flags: Sequence[str], name: str, default: Optional[str] = None) -> Optional[str]:
+    value = default
     for i, f in enumerate(flags):
         if f == name and i + 1 < len(flags):
-            return flags[i + 1]
-    return default
+            value = flags[i + 1]  # the last one wins, as with argparse
+        elif f.startswith(name + "="):
+            value = f.split("=", 1)[1]
+    return value
 
 
-def run_one(name: str, extra: List[str], train_flags: List[str], out: str, nproc: int,
-            timeout: float) -> Dict:
-    metrics = os.path.join(out, f"{name}.jsonl")
+def run_shape(name: str, flags: Sequence[str], nproc: int) -> tta.RunShape:
+    """Validate a run's flags as pretrain_gpt_paci.py would (before anything is launched) and
+    return what the simulator needs of it."""
+    from .arguments import ConfigError, build_parser, validate
+
+    parser = build_parser()
+    try:
+        args, unknown = parser.parse_known_args(list(flags))
+    except SystemExit:
+        raise CompareError(f"run {name}: its training flags do not parse (see above)") from None
+    if unknown:
+        raise CompareError(f"run {name}: unknown training flags {unknown}")
+    try:
+        validate(args, nproc)
+    except ConfigError as exc:
+        raise CompareError(f"run {name}: {exc}") from None
+    return tta.RunShape(
+        schedule=args.pipeline_schedule, num_stages=args.pipeline_model_parallel_size,
+        microbatches=args.num_microbatches, accumulation=args.paci_accumulation_factor,
+        sync_iters=args.paci_sync_iters,
+        virtual_chunks=args.virtual_pipeline_model_parallel_size or 1)
+
+
+def run_one(spec: RunSpec, seed: Optional[int], train_flags: List[str], out: str, nproc: int,
+            timeout: float) -> List[Dict]:
+    """Train once; returns the metrics records."""
+    stem = spec.name if seed is None else f"{spec.name}.seed{seed}"
+    metrics = os.path.join(out, f"{stem}.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
+    seed_flags = [] if seed is None else ["--seed", str(seed)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", ENTRY, *train_flags, *extra, "--metrics-file", metrics]
-    with open(os.path.join(out, f"{name}.log"), "w") as log:
+           f"--nproc-per-node={nproc}", ENTRY, *train_flags, *spec.flags, *seed_flags,
+           "--metrics-file", metrics]
+    with open(os.path.join(out, f"{stem}.log"), "w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
     if proc.returncode != 0:
-        raise RuntimeError(f"{name} failed (exit {proc.returncode}); see {log.name}")
+        raise RuntimeError(f"{stem} failed (exit {proc.returncode}); see {log.name}")
     with open(metrics) as f:
-        return summarize(name, [json.loads(line) for line in f if line.strip()])
+        return [json.loads(line) for line in f if line.strip()]
 
 
-def summarize(name: str, records: List[Dict]) -> Dict:
+def summarize(name: str, records: List[Dict], shape: tta.RunShape, costs: Costs,
+              seed: Optional[int] = None) -> Dict:
+    """One seed of one run: its figures and its validation curve, whose points carry
+    (samples, updates, wall s, projected s) and the loss."""
     train = [r for r in records if "lm_loss" in r]
     evals = [r for r in records if "validation_loss" in r and not r.get("final")]
     final = next(r for r in records if r.get("final"))
     by_iter = {r["iteration"]: r for r in train}
-    curve = [(by_iter[r["iteration"]]["consumed_samples"], by_iter[r["iteration"]]["wall_s"],
-              r["iteration"], r["validation_loss"]) for r in evals if r["iteration"] in by_iter]
-    curve.append((final["consumed_samples"], final["wall_s"], final["iteration"],
-                  final["validation_loss"]))
+    per_iteration = tta.seconds_per_iteration(shape, costs)
+
+    def point(iteration, samples, wall, value):
+        xs = (samples, shape.updates(iteration), wall,
+              tta.projected_seconds(shape, costs, iteration, per_iteration))
+        return xs, value
+
+    curve = [point(r["iteration"], by_iter[r["iteration"]]["consumed_samples"],
+                   by_iter[r["iteration"]]["wall_s"], r["validation_loss"])
+             for r in evals if r["iteration"] in by_iter]
+    if not curve or final["iteration"] != evals[-1]["iteration"]:
+        curve.append(point(final["iteration"], final["consumed_samples"], final["wall_s"],
+                           final["validation_loss"]))
     steady = train[len(train) // 4:] or train
     return {
-        "name": name, "train": train, "curve": curve,
+        "name": name, "seed": seed, "shape": shape, "train": train, "curve": curve,
         "final_val": final["validation_loss"],
-        "best_val": min(v for *_, v in curve),
+        "best_val": min(v for _, v in curve),
         "tokens_per_sec": sum(r["tokens_per_sec"] for r in steady) / len(steady),
+        "projected_s_per_iteration": per_iteration[1],
         "peak_rss_mb": final.get("peak_rss_mb"),
         "peak_activation_mb": final.get("peak_activation_mb"),
-        "max_drift": train[-1]["max_drift"] if train else None,
+        # per-iteration records know only the logging stage's drift; the final one has all
+        "max_drift": final.get("max_drift") or (train[-1]["max_drift"] if train else None),
         "wall_s": final["wall_s"],
+        "train_iters": final["iteration"],
     }
 
 
-def time_to_reach(run: Dict, target: float):
-    """(iteration, wall seconds) of the first evaluation at or below ``target``."""
-    for _samples, wall, iteration, value in run["curve"]:
-        if value <= target:
-            return iteration, wall
-    return None, None
+# --- targets and time to accuracy --------------------------------------------------------
 
+def targets_per_seed(base: List[Dict], extra: Sequence[float]) -> List[Tuple[str, List[float]]]:
+    """(label, one target per seed): the baseline's final and mid-run validation loss of the
+    same seed (runs of one seed share data order and initial weights), then fixed targets."""
+    name = base[0]["name"]
+    found = [(f"{name} final", [r["final_val"] for r in base]),
+             (f"{name} mid-run", [tta.mid_run_target(r["curve"], X_SAMPLES) for r in base])]
+    found += [(f"{value:g}", [value] * len(base)) for value in extra]
+    return found
+
+
+def time_to_accuracy(runs: Dict[str, List[Dict]], base_name: str,
+                     targets: List[Tuple[str, List[float]]]) -> List[Dict]:
+    """Per run and target: per seed, the x values where the curve first reaches the target
+    (None: not reached), and the projected TTA speed-up over the baseline per seed."""
+    rows = []
+    for label, per_seed in targets:
+        base_hits = [tta.reach(r["curve"], t) for r, t in zip(runs[base_name], per_seed)]
+        for name, seeds in runs.items():
+            hits = [tta.reach(r["curve"], t) for r, t in zip(seeds, per_seed)]
+            rows.append({
+                "run": name, "target": label, "target_values": per_seed, "hits": hits,
+                "speedup": tta.speedups([h and h[X_PROJECTED] for h in base_hits],
+                                        [h and h[X_PROJECTED] for h in hits]),
+            })
+    return rows
+
+
+# --- formatting --------------------------------------------------------------------------
 
 def _fmt(value, digits=3) -> str:
     if value is None:
@@ -103,39 +231,90 @@ def _fmt(value, digits=3) -> str:
     return str(value)
 
 
-def report_table(runs: List[Dict]) -> str:
-    base = next((r for r in runs if r["name"] == "1f1b"), runs[0])
-    target = base["final_val"]
-    head = ("| run | final val loss | best val loss | iters to 1F1B final | wall s to 1F1B final "
-            "| tokens/s | tokens/s vs 1F1B | peak RSS MB per stage | peak activation MB per "
-            "stage | max drift per stage |")
-    rows = [head, "|" + "---|" * 10]
-    for r in runs:
-        iters, wall = time_to_reach(r, target)
+def _stat(values: Sequence[Optional[float]], digits: int = 3, total: Optional[int] = None) -> str:
+    """'mean ± sd' over the seeds that have a value; says how many when some have none."""
+    have = [v for v in values if v is not None]
+    total = len(values) if total is None else total
+    if not have:
+        return "not reached" if total else "-"
+    mean, sd = tta.mean_and_spread(have)
+    text = f"{mean:.{digits}f}" + (f" ± {sd:.{digits}f}" if len(have) > 1 else "")
+    if len(have) < total:
+        text += f" ({len(have)}/{total} seeds)"
+    return text
+
+
+def _per_stage_mean(seeds: List[Dict], key: str) -> Optional[List[Optional[float]]]:
+    lists = [r[key] for r in seeds if r[key] is not None]
+    if not lists:
+        return None
+    return [None if None in col else sum(col) / len(col) for col in zip(*lists)]
+
+
+def _per_stage_max(seeds: List[Dict], key: str):
+    lists = [r[key] for r in seeds if r[key] is not None]
+    return [max(col) for col in zip(*lists)] if lists else None
+
+
+def report_table(runs: Dict[str, List[Dict]], base_name: str) -> str:
+    base = runs[base_name]
+    head = ("| run | seeds | final val loss | best val loss | tokens/s | tokens/s vs "
+            f"{base_name} | projected s/iteration | projected throughput vs {base_name} | "
+            "peak RSS MB per stage | peak activation MB per stage | max drift per stage |")
+    rows = [head, "|" + "---|" * 11]
+    base_proj = base[0]["projected_s_per_iteration"]
+    for name, seeds in runs.items():
+        ratios = [r["tokens_per_sec"] / b["tokens_per_sec"] for r, b in zip(seeds, base)]
+        proj = seeds[0]["projected_s_per_iteration"]
         rows.append(
-            f"| {r['name']} | {_fmt(r['final_val'], 4)} | {_fmt(r['best_val'], 4)} | "
-            f"{_fmt(iters)} | {_fmt(wall, 1)} | {r['tokens_per_sec']:.0f} | "
-            f"{r['tokens_per_sec'] / base['tokens_per_sec']:.3f} | {_fmt(r['peak_rss_mb'])} | "
-            f"{_fmt(r['peak_activation_mb'])} | {_fmt(r['max_drift'])} |")
+            f"| {name} | {len(seeds)} | {_stat([r['final_val'] for r in seeds], 4)} | "
+            f"{_stat([r['best_val'] for r in seeds], 4)} | "
+            f"{_stat([r['tokens_per_sec'] for r in seeds], 0)} | {_stat(ratios)} | "
+            f"{proj:.4g} | {base_proj / proj:.3f} | "
+            f"{_fmt(_per_stage_mean(seeds, 'peak_rss_mb'))} | "
+            f"{_fmt(_per_stage_mean(seeds, 'peak_activation_mb'))} | "
+            f"{_fmt(_per_stage_max(seeds, 'max_drift'))} |")
     return "\n".join(rows)
 
 
-def plot(runs: List[Dict], out: str) -> List[str]:
+def tta_table(rows: List[Dict], base_name: str) -> str:
+    head = (f"| run | target | target loss | samples | updates | wall s | projected s | "
+            f"projected TTA speed-up vs {base_name} |")
+    out = [head, "|" + "---|" * 8]
+    for row in rows:
+        n = len(row["hits"])
+        col = [[h and h[i] for h in row["hits"]] for i in range(4)]
+        out.append(
+            f"| {row['run']} | {row['target']} | {_stat(row['target_values'], 4)} | "
+            f"{_stat(col[X_SAMPLES], 0)} | {_stat(col[X_UPDATES], 1)} | "
+            f"{_stat(col[X_WALL], 1)} | {_stat(col[X_PROJECTED], 4)} | "
+            f"{_stat(row['speedup'], 3, total=n) if any(row['hits']) else 'not reached'} |")
+    return "\n".join(out)
+
+
+def plot(runs: Dict[str, List[Dict]], out: str) -> List[str]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     paths = []
-    for key, index, label in (("samples", 0, "consumed samples"), ("wall", 1, "wall time (s)")):
+    axes = (("samples", X_SAMPLES, "consumed samples", "consumed_samples"),
+            ("wall", X_WALL, "wall time (s)", "wall_s"),
+            ("projected", X_PROJECTED, "projected accelerator time (s)", None))
+    for key, index, label, train_key in axes:
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for r in runs:
-            train_x = [t["consumed_samples"] if index == 0 else t["wall_s"] for t in r["train"]]
-            ax.plot(train_x, [t["lm_loss"] for t in r["train"]], alpha=0.35, lw=1)
-            ax.plot([c[index] for c in r["curve"]], [c[3] for c in r["curve"]], marker="o",
-                    label=f"{r['name']} (validation)", color=ax.lines[-1].get_color())
+        for n, (name, seeds) in enumerate(runs.items()):
+            color = f"C{n % 10}"
+            for i, r in enumerate(seeds):
+                if train_key is not None:
+                    ax.plot([t[train_key] for t in r["train"]], [t["lm_loss"] for t in r["train"]],
+                            alpha=0.3, lw=1, color=color)
+                ax.plot([xs[index] for xs, _ in r["curve"]], [v for _, v in r["curve"]],
+                        marker="o", color=color, label=None if i else f"{name} (validation)")
         ax.set_xlabel(label)
-        ax.set_ylabel("lm loss (thin: training, dots: validation)")
+        ax.set_ylabel("lm loss (thin: training, dots: validation)" if train_key
+                      else "validation lm loss")
         ax.legend()
         ax.grid(alpha=0.3)
         path = os.path.join(out, f"loss_vs_{key}.png")
@@ -146,49 +325,161 @@ def plot(runs: List[Dict], out: str) -> List[str]:
     return paths
 
 
+# --- command line ------------------------------------------------------------------------
+
+def _non_negative(flag: str):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes a number, got {text!r}") from None
+        if not math.isfinite(value) or value < 0:
+            raise argparse.ArgumentTypeError(f"{flag} must be a finite number >= 0, got {text}")
+        return value
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m paci_megatron.compare",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--schedules", default=None,
+                        help=f"built-in runs, comma-separated, from {', '.join(BUILT_IN)} "
+                             "(default: all of them when no --run is given)")
+    parser.add_argument("--run", action="append", default=[], metavar='NAME="FLAGS"',
+                        help="a named run with its own extra training flags (repeatable)")
+    parser.add_argument("--seeds", default=None,
+                        help="comma-separated seeds; every run is repeated with each --seed")
+    parser.add_argument("--baseline", default=None,
+                        help="run the others are compared with (default: 1f1b if present, "
+                             "else the first run)")
+    parser.add_argument("--targets", default="",
+                        help="extra target validation losses, comma-separated")
+    parser.add_argument("--project-forward-ms", type=_non_negative("--project-forward-ms"),
+                        default=1.0, help="projected cost of one forward per stage")
+    parser.add_argument("--project-backward-ms", type=_non_negative("--project-backward-ms"),
+                        default=2.0, help="projected cost of one backward per stage")
+    parser.add_argument("--project-step-ms", type=_non_negative("--project-step-ms"),
+                        default=0.0, help="projected cost of one optimizer step per stage")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--nproc-per-node", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per run")
+    return parser
+
+
+def plan_runs(args, train_flags: List[str]) -> List[RunSpec]:
+    pp = int(_flag(train_flags, "--pipeline-model-parallel-size", str(args.nproc_per_node)))
+    layers = int(_flag(train_flags, "--num-layers", "4"))
+    names = args.schedules if args.schedules is not None else \
+        ("" if args.run else ",".join(BUILT_IN))
+    specs = []
+    for name in filter(None, (n.strip() for n in names.split(","))):
+        extra = schedule_flags(name, layers // pp)
+        if extra is None:
+            print(f"skipping {name}: needs at least 2 layers per stage", flush=True)
+            continue
+        specs.append(RunSpec(name, tuple(extra)))
+    specs += [parse_run(text) for text in args.run]
+    seen = set()
+    for spec in specs:
+        if spec.name in seen:
+            raise CompareError(f"run {spec.name!r} is given twice (--schedules / --run): "
+                               "rename one")
+        seen.add(spec.name)
+    if not specs:
+        raise CompareError("nothing to run: give --schedules and/or --run")
+    return specs
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     own, train_flags = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) \
         if "--" in argv else (argv, [])
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--schedules", default="1f1b,interleaved,paci,paci-a1")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--nproc-per-node", type=int, default=2)
-    parser.add_argument("--timeout", type=float, default=3600, help="seconds per run")
+    parser = build_parser()
     args = parser.parse_args(own)
-    os.makedirs(args.out, exist_ok=True)
-    pp = int(_flag(train_flags, "--pipeline-model-parallel-size", str(args.nproc_per_node)))
-    layers = int(_flag(train_flags, "--num-layers", "4"))
+    try:
+        return compare(args, train_flags)
+    except CompareError as exc:
+        parser.error(str(exc))
+
+
+def compare(args, train_flags: List[str]) -> int:
+    if args.project_forward_ms + args.project_backward_ms <= 0:
+        raise CompareError("--project-forward-ms + --project-backward-ms must be > 0")
+    costs = Costs(args.project_forward_ms / 1e3, args.project_backward_ms / 1e3,
+                  args.project_step_ms / 1e3)
+    try:
+        extra_targets = [float(t) for t in args.targets.split(",") if t.strip()]
+    except ValueError:
+        raise CompareError(f"--targets {args.targets!r}: expected comma-separated numbers")
+    seeds = parse_seeds(args.seeds)
+    specs = plan_runs(args, train_flags)
+    if args.seeds is not None and any(_flag(list(train_flags) + list(s.flags), "--seed")
+                                      for s in specs):
+        raise CompareError("--seeds sets --seed for every run: drop --seed from the flags")
     if "--eval-interval" not in train_flags:
         iters = int(_flag(train_flags, "--train-iters", "20"))
-        train_flags += ["--eval-interval", str(max(1, iters // 10))]
-    runs = []
-    for name in args.schedules.split(","):
-        extra = schedule_flags(name.strip(), layers // pp)
-        if extra is None:
-            print(f"skipping {name}: needs at least 2 layers per stage", flush=True)
-            continue
-        print(f"running {name} ...", flush=True)
-        runs.append(run_one(name.strip(), extra, train_flags, args.out, args.nproc_per_node,
-                            args.timeout))
-    table = report_table(runs)
+        train_flags = train_flags + ["--eval-interval", str(max(1, iters // 10))]
+    shapes = {s.name: run_shape(s.name, train_flags + list(s.flags), args.nproc_per_node)
+              for s in specs}
+    base_name = args.baseline or ("1f1b" if "1f1b" in shapes else specs[0].name)
+    if base_name not in shapes:
+        raise CompareError(f"--baseline {base_name}: no such run; runs: {', '.join(shapes)}")
+    os.makedirs(args.out, exist_ok=True)
+    runs: Dict[str, List[Dict]] = {}
+    for spec in specs:
+        for seed in seeds:
+            print(f"running {spec.name}" + ("" if seed is None else f" (seed {seed})") + " ...",
+                  flush=True)
+            records = run_one(spec, seed, train_flags, args.out, args.nproc_per_node,
+                              args.timeout)
+            runs.setdefault(spec.name, []).append(
+                summarize(spec.name, records, shapes[spec.name], costs, seed))
+    targets = targets_per_seed(runs[base_name], extra_targets)
+    rows = time_to_accuracy(runs, base_name, targets)
+    table, ttable = report_table(runs, base_name), tta_table(rows, base_name)
     plots = plot(runs, args.out)
     with open(os.path.join(args.out, "report.md"), "w") as f:
         f.write("# Schedule comparison\n\nTraining flags: `" + " ".join(train_flags) + "`\n\n")
-        f.write(table + "\n\n")
-        f.write("Time to 1F1B's final validation loss is measured at evaluation points.\n\n")
+        f.write("Runs: " + "; ".join(f"{s.name} = `{' '.join(s.flags)}`" for s in specs) + "\n\n")
+        if args.seeds is not None:
+            f.write(f"Seeds {args.seeds}: every figure is the mean ± the sample standard "
+                    "deviation over seeds.\n\n")
+        f.write(table + "\n\n## Time to accuracy\n\n" + ttable + "\n\n")
+        f.write(f"Targets are per seed (the {base_name} run of the same seed). A run reaches a "
+                "target where its validation curve first gets to it, interpolated linearly "
+                "between evaluations. Projected time: each schedule's action lists for this P "
+                f"and M in the lockstep simulator, forward {args.project_forward_ms:g} ms, "
+                f"backward {args.project_backward_ms:g} ms, step {args.project_step_ms:g} ms "
+                "per stage, steady state (--paci-sync-iters iterations at 1F1B's pace; "
+                "projected s/iteration is the pace after them); interleaved from its closed "
+                "form.\n\n")
         for p in plots:
             f.write(f"![{os.path.basename(p)}]({os.path.basename(p)})\n")
     print(table)
-    base = next((r for r in runs if r["name"] == "1f1b"), None)
-    for r in runs:
-        if base and r is not base and None not in (r["peak_activation_mb"] or [None]) \
-                and None not in (base["peak_activation_mb"] or [None]):
-            ratio = [a / b for a, b in zip(r["peak_activation_mb"], base["peak_activation_mb"])]
-            print(f"peak activation memory {r['name']}/1f1b per stage: "
-                  + " ".join(f"{x:.3f}" for x in ratio))
+    print(ttable)
+    print_speedups(runs, rows, base_name)
     print(f"report: {os.path.join(args.out, 'report.md')}")
     return 0
+
+
+def print_speedups(runs: Dict[str, List[Dict]], rows: List[Dict], base_name: str) -> None:
+    base = runs[base_name]
+    for name, seeds in runs.items():
+        if name == base_name:
+            continue
+        throughput = base[0]["projected_s_per_iteration"] / seeds[0]["projected_s_per_iteration"]
+        for row in (r for r in rows if r["run"] == name):
+            print(f"{name}: projected time-to-accuracy speed-up vs {base_name} to "
+                  f"{row['target']} ({_stat(row['target_values'], 4)}): "
+                  f"{_stat(row['speedup'], 3, total=len(row['hits']))} "
+                  f"(projected throughput ratio {throughput:.3f})")
+        if None not in (_per_stage_mean(seeds, "peak_activation_mb") or [None]) \
+                and None not in (_per_stage_mean(base, "peak_activation_mb") or [None]):
+            ratio = [a / b for a, b in zip(_per_stage_mean(seeds, "peak_activation_mb"),
+                                           _per_stage_mean(base, "peak_activation_mb"))]
+            print(f"peak activation memory {name}/{base_name} per stage: "
+                  + " ".join(f"{x:.3f}" for x in ratio))
 
 
 if __name__ == "__main__":

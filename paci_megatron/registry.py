@@ -21,6 +21,7 @@ class ScheduleOptions:
     micro_batch_size: int = 1
     data_parallel_size: int = 1
     on_nonfinite: str = "skip"
+    sync_iters: int = 0  # --paci-sync-iters: stock 1F1B for the first K iterations
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ def _make_paci(opts: ScheduleOptions):
     from .mcore.runtime import PaciRuntime
 
     return PaciRuntime(accumulation=opts.accumulation, max_drift=opts.max_drift,
-                       on_nonfinite=opts.on_nonfinite)
+                       on_nonfinite=opts.on_nonfinite, sync_calls=opts.sync_iters)
 
 
 def default_registry() -> ScheduleRegistry:

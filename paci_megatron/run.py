@@ -36,6 +36,8 @@ import sys
 import types
 from typing import List, Optional, Sequence
 
+from .autograd_versions import ZERO_CENTERED_GAMMA
+
 USAGE = ("usage: python -m paci_megatron.run path/to/Megatron-LM/pretrain_gpt.py "
          "[Megatron-LM flags] [--pipeline-schedule {1f1b,interleaved,paci}] "
          "[--paci-accumulation-factor A] [--paci-max-drift D] [--paci-on-nonfinite {skip,abort}]")
@@ -87,9 +89,44 @@ def validate_flags(args: argparse.Namespace) -> None:
     if rerun_mode not in ("disabled", "validate_results"):
         raise ValueError(f"--pipeline-schedule paci cannot re-run iterations (micro-batches stay "
                          f"in flight across them); drop --rerun-mode {rerun_mode}")
+    if getattr(args, "apply_layernorm_1p", False):
+        raise ValueError(ZERO_CENTERED_GAMMA)
+    refuse_stage_crossing_collectives(args)
     if getattr(args, "calculate_per_token_loss", False):
         raise ValueError("--pipeline-schedule paci does not support --calculate-per-token-loss "
                          "(its token count is broadcast across all stages at every step)")
+
+
+def refuse_stage_crossing_collectives(args: argparse.Namespace) -> None:
+    """Megatron-LM flags that add a collective over all stages to every iteration or to the
+    local step. Under PACI the stages run out of step, so each would stall every stage to the
+    slowest one (or hang, inside a local step)."""
+    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    if (getattr(args, "timing_log_level", 0) or 0) >= 1:
+        raise ValueError("--pipeline-schedule paci cannot run --timing-log-level "
+                         f"{args.timing_log_level}: its timers barrier all ranks inside each "
+                         "stage's local step (finalize_model_grads, optimizer); use "
+                         "--timing-log-level 0")
+    if getattr(args, "exit_duration_in_mins", None):
+        raise ValueError("--pipeline-schedule paci: --exit-duration-in-mins all-reduces over "
+                         "all ranks at every iteration, stalling every stage to the slowest; "
+                         "use --exit-interval (iterations) instead")
+    if getattr(args, "exit_signal_handler", False):
+        raise ValueError("--pipeline-schedule paci: --exit-signal-handler gathers over all ranks "
+                         "at every iteration, stalling every stage to the slowest; drop it "
+                         "(checkpoint with --save-interval)")
+    if pp > 1 and getattr(args, "log_params_norm", False):
+        raise ValueError("--pipeline-schedule paci: --log-params-norm all-reduces the parameter "
+                         "norm over the model-parallel group (all stages) at every iteration; "
+                         "drop it")
+    if pp > 1 and getattr(args, "mtp_num_layers", None):
+        raise ValueError("--pipeline-schedule paci does not support --mtp-num-layers with "
+                         "pipeline parallelism: the embedding gradient is all-reduced between "
+                         "the first and last stage at every local step")
+    if pp > 1 and getattr(args, "num_experts", None) is not None:
+        raise ValueError("--pipeline-schedule paci does not support MoE (--num-experts) with "
+                         "pipeline parallelism yet: Megatron-LM's training_log all-reduces "
+                         "the MoE auxiliary losses over the pipeline group at every iteration")
 
 
 def make_runtime(margs, num_microbatches: int):

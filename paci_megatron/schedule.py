@@ -138,17 +138,37 @@ def _one_f_one_b(stage: int, num_stages: int, mbs: Sequence[int], accumulation: 
     return acts
 
 
+def receive_before_step(actions: Sequence[Action]) -> List[Action]:
+    """Move the receive of the next forward input from just after a local step to just before
+    it: ``B j SB j T j RF k`` becomes ``B j SB j RF k T j``.
+
+    ``SB j`` and ``RF k`` then form one exchange (Megatron's send_backward_recv_forward), the
+    partner of the previous stage's ``SF k``+``RB j``. With NCCL that partner exchange completes
+    only once this stage posts ``RF k``; behind the step it would wait for the step (batched
+    p2p) or deadlock (unbatched, P >= 3, or with the variable-length shape exchange). Only the
+    time the receive buffer is posted changes; F k still runs after the step.
+    """
+    out = list(actions)
+    for i in range(len(out) - 1):
+        if out[i].op is Op.STEP and out[i + 1].op is Op.RECV_F:
+            out[i], out[i + 1] = out[i + 1], out[i]
+    return out
+
+
 def build_paci(num_stages: int, accumulation: int, num_microbatches: int) -> Schedule:
     """PACI: one 1F1B stream that never flushes; each stage steps after every a-th backward.
 
     Stage s keeps P-1-s forwards ahead of its backwards, so it holds at most P-s micro-batches
     in flight, and a micro-batch sees at most ceil((P-1-s)/a) local steps between its forward
-    and its backward there.
+    and its backward there. No exchange a neighbour waits on sits behind a step
+    (``receive_before_step``), so the lists are safe under NCCL's pairing rules
+    (``simulate.run_nccl``).
     """
     check_params(num_stages, accumulation, num_microbatches)
     mbs = list(range(num_microbatches))
     stages = tuple(
-        tuple(_one_f_one_b(s, num_stages, mbs, accumulation)) for s in range(num_stages)
+        tuple(receive_before_step(_one_f_one_b(s, num_stages, mbs, accumulation)))
+        for s in range(num_stages)
     )
     return Schedule("paci", num_stages, accumulation, num_microbatches, stages)
 
@@ -193,8 +213,24 @@ def channel(stage: int, action: Action) -> Tuple[int, int, str]:
     return (peer(stage, action.op), stage, direction)
 
 
+def exchanges(actions: Sequence[Action]) -> List[Tuple[Action, ...]]:
+    """Split consecutive communication actions into exchanges (one ``_communicate`` call, so
+    one batched NCCL group each): a new exchange starts where an op would repeat."""
+    out: List[Tuple[Action, ...]] = []
+    batch: List[Action] = []
+    for act in actions:
+        if any(b.op is act.op for b in batch):
+            out.append(tuple(batch))
+            batch = []
+        batch.append(act)
+    if batch:
+        out.append(tuple(batch))
+    return out
+
+
 def _index_after_backward(actions: Sequence[Action], count: int) -> int:
-    """Index just past the ``count``-th backward and the sends/step that close it."""
+    """Index just past the ``count``-th backward and the send/step that close it (with the
+    receive that ``receive_before_step`` put before that step)."""
     if count == 0:
         return 0
     seen = 0
@@ -205,6 +241,9 @@ def _index_after_backward(actions: Sequence[Action], count: int) -> int:
                 j = i + 1
                 while j < len(actions) and actions[j].op in (Op.SEND_B, Op.STEP):
                     j += 1
+                if j + 1 < len(actions) and actions[j].op is Op.RECV_F \
+                        and actions[j + 1] == Action(Op.STEP, act.mb):
+                    j += 2
                 return j
     raise ValueError(f"stage has fewer than {count} backward passes")
 
@@ -245,10 +284,23 @@ def segments(schedule: Schedule, backwards_per_call: int) -> List[Tuple[Tuple[Ac
         starts.append(cut_points(schedule, k * backwards_per_call))
     ends = list(starts[1:])
     ends[-1] = tuple(len(acts) for acts in schedule.stages)
-    return [
+    segs = [
         tuple(acts[b:e] for acts, b, e in zip(schedule.stages, begin, end))
         for begin, end in zip(starts, ends)
     ]
+    for k, seg in enumerate(segs):
+        _check_closed(seg, k)
+    return segs
+
+
+def _check_closed(segment: Sequence[Sequence[Action]], k: int) -> None:
+    """No message may cross a call boundary: what a call sends, it also receives."""
+    sent = sorted((channel(s, a), a.mb) for s, acts in enumerate(segment) for a in acts
+                  if a.op in SEND_OPS)
+    got = sorted((channel(s, a), a.mb) for s, acts in enumerate(segment) for a in acts
+                 if a.op in RECV_OPS)
+    if sent != got:
+        raise ValueError(f"call {k} leaves messages in transit: sent {sent}, received {got}")
 
 
 def shift_segment(segment: Iterable[Sequence[Action]], offset: int) -> Tuple[Tuple[Action, ...], ...]:

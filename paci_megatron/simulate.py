@@ -1,8 +1,11 @@
 """Run a Schedule's per-stage lists in lockstep, without torch, and check its invariants.
 
-Communication model (the one the executor implements): a send is posted and never blocks;
-a receive waits until the matching send was posted (plus ``Costs.comm`` latency). Messages
-on one channel (sender, receiver, direction) are received in the order they were sent.
+Two communication models. ``run_lockstep`` (the default of ``simulate``; what gloo does here):
+a send is posted and never blocks; a receive waits until the matching send was posted (plus
+``Costs.comm`` latency). Messages on one channel (sender, receiver, direction) are received in
+the order they were sent. ``run_nccl`` (``simulate(..., nccl=NcclModel(...))``): NCCL's
+pairing rules as Megatron-Core drives them, batched or unbatched, with or without the
+variable-length shape exchange; its rules are listed in ``NcclModel``.
 """
 
 from __future__ import annotations
@@ -18,8 +21,11 @@ from .schedule import (
     Action,
     Op,
     Schedule,
+    StreamPlan,
     channel,
     drift_bound,
+    exchanges,
+    peer,
 )
 
 
@@ -74,13 +80,21 @@ class SimResult:
         total = self.makespan * self.schedule.num_stages
         return 0.0 if total == 0 else 1.0 - busy / total
 
-    def steady_bubble(self, stage: int) -> float:
-        """Idle share at ``stage`` between two local steps in the middle of the run."""
+    def _middle_steps(self, stage: int) -> Tuple[float, float]:
         steps = [e for e in self.stage_events[stage] if e.action.op is Op.STEP]
         if len(steps) < 3:
             raise ScheduleError(f"stage {stage}: need >= 3 steps to measure a steady state")
         k = len(steps) // 2
-        t0, t1 = steps[k - 1].end, steps[k].end
+        return steps[k - 1].end, steps[k].end
+
+    def steady_period(self, stage: int) -> float:
+        """Time between two local steps of ``stage`` in the middle of the run (one update)."""
+        t0, t1 = self._middle_steps(stage)
+        return t1 - t0
+
+    def steady_bubble(self, stage: int) -> float:
+        """Idle share at ``stage`` between two local steps in the middle of the run."""
+        t0, t1 = self._middle_steps(stage)
         busy = sum(
             min(e.end, t1) - max(e.start, t0)
             for e in self.stage_events[stage]
@@ -118,7 +132,7 @@ def check_lists(schedule: Schedule) -> Tuple[List[Dict[int, int]], List[int]]:
         drift: Dict[int, int] = {}
         received = {Op.RECV_F: set(), Op.RECV_B: set()}
         steps = backwards = in_flight = peak = 0
-        last = None
+        last = last_work = None  # the previous action; the previous F, B or T
         for i, act in enumerate(acts):
             m = act.mb
             if act.op is Op.FORWARD:
@@ -141,7 +155,7 @@ def check_lists(schedule: Schedule) -> Tuple[List[Dict[int, int]], List[int]]:
                 in_flight -= 1
                 backwards += 1
             elif act.op is Op.STEP:
-                if last != Action(Op.BACKWARD, m) and last != Action(Op.SEND_B, m):
+                if last_work != Action(Op.BACKWARD, m):  # communication may come between
                     raise ScheduleError(f"{where}: {act} does not follow B{m}")
                 if backwards % a or backwards // a != steps + 1:
                     raise ScheduleError(f"{where}: {act} after {backwards} backwards with a={a}")
@@ -157,6 +171,8 @@ def check_lists(schedule: Schedule) -> Tuple[List[Dict[int, int]], List[int]]:
                 if s == 0 or Action(Op.BACKWARD, m) != last:
                     raise ScheduleError(f"{where}: {act} must follow B{m} on a non-first stage")
             last = act
+            if act.op in COMPUTE_OPS or act.op is Op.STEP:
+                last_work = act
         missing = sorted(set(range(M)) - set(drift))
         if missing or done_f:
             raise ScheduleError(f"{where}: micro-batches without F and B: {missing or sorted(done_f)}")
@@ -218,9 +234,232 @@ def run_lockstep(schedule: Schedule, costs: Costs = Costs()) -> List[List[Event]
     return events
 
 
-def simulate(schedule: Schedule, costs: Costs = Costs()) -> SimResult:
+# --- NCCL's pairing rules ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class NcclModel:
+    """How Megatron-Core 0.16.1's ``P2PCommunicator._communicate`` meets NCCL.
+
+    Rules (``run_nccl``):
+
+    1. The executor hands each run of consecutive communication actions to the runtime, which
+       splits it into exchanges (``schedule.exchanges``); one exchange is one ``_communicate``.
+    2. ``batched`` (``batch_p2p_comm``, the default): an exchange is one
+       ``batch_isend_irecv`` group. A send and its receive complete together once both are
+       posted; the stage waits until every op of its group has completed.
+    3. Unbatched (``_p2p_ops``): each op is queued on the link to its neighbour, even stages
+       posting send-next, recv-prev, send-prev, recv-next, odd stages recv-prev, send-next,
+       recv-next, send-prev. A link's queue runs in order (one NCCL stream per pair): an op
+       completes only with the op at the head of the neighbour's queue for the same link, and
+       it must be its counterpart (a send facing a send waits forever). Both directions share
+       one link for P >= 3; at P = 2 Megatron puts the two directions on different groups.
+       The stage waits for the exchange's receives; sends stay pending until the backward of
+       that micro-batch (its activation is freed then) or the end of the call.
+    4. ``shapes`` (``variable_seq_lengths``): before its data, every exchange runs a batched
+       shape exchange of the same ops, waits for it, then ``torch.cuda.synchronize()``, which
+       also waits for this stage's pending sends.
+    5. At the end of each call the stage waits for all its pending sends.
+    """
+
+    batched: bool = True
+    shapes: bool = False
+
+    def __str__(self) -> str:
+        return (f"NCCL {'batched' if self.batched else 'unbatched'} p2p"
+                f"{' with shape exchange' if self.shapes else ''}")
+
+
+@dataclass(eq=False)
+class _P2POp:
+    stage: int
+    action: Action
+    layer: str  # "data" or "shape"
+    posted: float
+    done: Optional[float] = None
+
+    @property
+    def is_send(self) -> bool:
+        return self.action.op in SEND_OPS
+
+    def __str__(self) -> str:
+        return f"{self.action}{'(shape)' if self.layer == 'shape' else ''}"
+
+
+_POST_ORDER = {  # _p2p_ops' order for even and odd pipeline ranks
+    0: (Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B),
+    1: (Op.RECV_F, Op.SEND_F, Op.RECV_B, Op.SEND_B),
+}
+
+
+class _NcclWorld:
+    """Posted ops and their matching, under the rules of ``NcclModel``."""
+
+    def __init__(self, num_stages: int, model: NcclModel, comm: float):
+        self.P, self.model, self.comm = num_stages, model, comm
+        self.unmatched: Dict[tuple, Tuple[Deque[_P2POp], Deque[_P2POp]]] = defaultdict(
+            lambda: (deque(), deque()))
+        self.links: Dict[tuple, Deque[_P2POp]] = defaultdict(deque)
+        self.link_free: Dict[tuple, float] = defaultdict(float)  # last completion on the link
+
+    def post(self, stage: int, action: Action, layer: str, now: float) -> _P2POp:
+        op = _P2POp(stage, action, layer, now)
+        if layer == "shape" or self.model.batched:
+            sender, receiver, direction = channel(stage, action)
+            sends, recvs = self.unmatched[(sender, receiver, direction, layer)]
+            (sends if op.is_send else recvs).append(op)
+            while sends and recvs:
+                self._complete(sends.popleft(), recvs.popleft(), 0.0)
+        else:
+            key = self._link(stage, action)
+            self.links[key].append(op)
+            self._advance_link(key)
+        return op
+
+    def _link(self, stage: int, action: Action) -> tuple:
+        other = peer(stage, action.op)
+        direction = channel(stage, action)[2] if self.P == 2 else ""
+        return (stage, other, direction)
+
+    def _advance_link(self, key: tuple) -> None:
+        stage, other, direction = key
+        mine, theirs = self.links[key], self.links[(other, stage, direction)]
+        while mine and theirs and mine[0].is_send != theirs[0].is_send \
+                and channel(stage, mine[0].action) == channel(other, theirs[0].action):
+            ready = max(self.link_free[key], self.link_free[(other, stage, direction)])
+            a, b = mine.popleft(), theirs.popleft()
+            self._complete(a, b, ready)
+            self.link_free[key] = self.link_free[(other, stage, direction)] = a.done
+
+    def _complete(self, a: _P2POp, b: _P2POp, ready: float) -> None:
+        if a.action.mb != b.action.mb:
+            receiver = b if a.is_send else a
+            raise ScheduleError(f"stage {receiver.stage}: {receiver.action} got micro-batch "
+                                f"{(a if a.is_send else b).action.mb} (messages out of order)")
+        a.done = b.done = max(a.posted, b.posted, ready) + self.comm
+
+    def leftovers(self) -> List[str]:
+        ops = [op for pair in self.unmatched.values() for q in pair for op in q]
+        ops += [op for q in self.links.values() for op in q]
+        return [f"stage {op.stage} {op}" for op in ops]
+
+
+_CALL_END = None  # marks the end of a forward-backward call in a stage's item list
+
+
+def _work_items(actions: Sequence[Action]) -> List[object]:
+    """What the executor dispatches: single F/B/T actions and runs of communication."""
+    items: List[object] = []
+    for act in actions:
+        if act.op in COMPUTE_OPS or act.op is Op.STEP:
+            items.append(act)
+        elif items and isinstance(items[-1], list):
+            items[-1].append(act)
+        else:
+            items.append([act])
+    return items
+
+
+def _stage_program(world: _NcclWorld, s: int, items: Sequence[object], costs: Costs,
+                   clock: List[float], events: List[Event]):
+    """One stage as a generator: yields the ops it waits for; the driver resumes it when they
+    have completed and has moved ``clock[s]`` to their completion."""
+    model = world.model
+    pending: List[_P2POp] = []  # unbatched sends not yet waited for
+    for item in items:
+        if item is _CALL_END:
+            yield pending
+            pending = []
+        elif isinstance(item, Action):
+            if item.op is Op.BACKWARD:  # the runtime frees the output: its send must be done
+                mine = [op for op in pending if op.action == Action(Op.SEND_F, item.mb)]
+                yield mine
+                pending = [op for op in pending if op not in mine]
+            start = clock[s]
+            clock[s] = start + costs.of(item)
+            events.append(Event(s, item, start, clock[s]))
+        else:
+            for batch in exchanges(item):
+                if model.shapes:
+                    yield [world.post(s, act, "shape", clock[s]) for act in batch]
+                    yield pending  # torch.cuda.synchronize()
+                    pending = []
+                if model.batched:
+                    yield [world.post(s, act, "data", clock[s]) for act in batch]
+                else:
+                    order = _POST_ORDER[s % 2]
+                    ops = [world.post(s, act, "data", clock[s])
+                           for act in sorted(batch, key=lambda x: order.index(x.op))]
+                    pending += [op for op in ops if op.is_send]
+                    yield [op for op in ops if not op.is_send]
+                for act in batch:
+                    events.append(Event(s, act, clock[s], clock[s]))
+    yield pending
+
+
+def run_nccl(schedule: Schedule, costs: Costs = Costs(), model: NcclModel = NcclModel(),
+             call_ends: Optional[Sequence[Sequence[int]]] = None) -> List[List[Event]]:
+    """Time every action under NCCL's pairing rules (``NcclModel``); raises DeadlockError
+    naming what each stuck stage waits for. ``call_ends[s]`` lists the indices in stage s's
+    list where a forward-backward call ends (rule 5); by default the list is one call."""
+    P = schedule.num_stages
+    world = _NcclWorld(P, model, costs.comm)
+    clock = [0.0] * P
+    events: List[List[Event]] = [[] for _ in range(P)]
+    programs, waits = [], []
+    for s, acts in enumerate(schedule.stages):
+        bounds = [0] + sorted(call_ends[s] if call_ends else []) + [len(acts)]
+        items: List[object] = []
+        for lo, hi in zip(bounds, bounds[1:]):
+            items += _work_items(acts[lo:hi]) + [_CALL_END]
+        programs.append(_stage_program(world, s, items, costs, clock, events[s]))
+        waits.append([])
+    running = set(range(P))
+    while running:
+        progressed = False
+        for s in sorted(running):
+            while all(op.done is not None for op in waits[s]):
+                clock[s] = max([clock[s]] + [op.done for op in waits[s]])
+                try:
+                    waits[s] = next(programs[s])
+                except StopIteration:
+                    running.discard(s)
+                    break
+                progressed = True
+        if running and not progressed:
+            stuck = "; ".join(
+                f"stage {s} waits for " + " ".join(str(op) for op in waits[s] if op.done is None)
+                + f" (after {events[s][-1].action if events[s] else 'nothing'})"
+                for s in sorted(running))
+            raise DeadlockError(f"{schedule.name} under {model}: deadlock: {stuck}")
+    left = world.leftovers()
+    if left:
+        raise ScheduleError(f"{schedule.name} under {model}: never completed: {left}")
+    return events
+
+
+def run_stream_nccl(plan: StreamPlan, calls: int, costs: Costs = Costs(),
+                    model: NcclModel = NcclModel()) -> List[List[Event]]:
+    """Run the first ``calls`` calls of a stream plan back to back under ``model``, each
+    stage waiting for its pending sends at every call end, as the runtime does."""
+    rows: List[List[Action]] = [[] for _ in range(plan.num_stages)]
+    ends: List[List[int]] = [[] for _ in range(plan.num_stages)]
+    for k in range(calls):
+        for s, acts in enumerate(plan.call(k)):
+            rows[s] += acts
+            ends[s].append(len(rows[s]))
+    stream = Schedule(f"{plan.kind} stream (P={plan.num_stages} a={plan.accumulation} "
+                      f"N={plan.per_call}, {calls} calls)", plan.num_stages, plan.accumulation,
+                      calls * plan.per_call, tuple(tuple(r) for r in rows))
+    return run_nccl(stream, costs, model, ends)
+
+
+def simulate(schedule: Schedule, costs: Costs = Costs(),
+             nccl: Optional[NcclModel] = None) -> SimResult:
+    """Check the lists and time them: with ``nccl``, under NCCL's pairing rules; without,
+    sends never block (the gloo-like ideal)."""
     drifts, peaks = check_lists(schedule)
-    stage_events = run_lockstep(schedule, costs)
+    stage_events = run_lockstep(schedule, costs) if nccl is None else run_nccl(
+        schedule, costs, nccl)
     flat = [e for evs in stage_events for e in evs]
     makespan = max((e.end for e in flat), default=0.0)
     return SimResult(schedule, flat, makespan, drifts, peaks, stage_events)

@@ -16,9 +16,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+import torch
+
 from .mcore import build, checkpoint
 from .mcore import runtime as mcore_runtime
-from .memory import SavedTensorMeter
+from .memory import LiveTensorMeter, SavedTensorMeter
 from .registry import SCHEDULES, ScheduleOptions
 from .restart import SaveClock, describe_mismatch, restart_count, run_fingerprint, trim_metrics
 
@@ -57,6 +59,7 @@ class Job:
     last_eval: Optional[tuple] = None  # (iteration, validation loss)
     forward_step: Any = None  # build.gpt_forward_step, metered with --measure-activation-memory
     meter: Any = None
+    live_meter: Any = None  # --measure-memory on CPU: every live tensor of this stage
     started: float = field(default_factory=time.perf_counter)
     save_clock: Optional[SaveClock] = None  # --save-interval-minutes
 
@@ -177,6 +180,8 @@ def setup(args, opts: ScheduleOptions) -> Job:
         job.meter = SavedTensorMeter(p for chunk in model for p in chunk.parameters())
         job.forward_step = job.meter.wrap(build.gpt_forward_step)
     resumed = job.iteration > 0 or restart > 0  # records after job.iteration are replayed
+    if args.measure_memory and not torch.cuda.is_available():
+        job.live_meter = LiveTensorMeter().start()
     if reporter and args.metrics_file:
         if resumed:
             _trim_metrics(args.metrics_file, job.iteration)
@@ -204,7 +209,7 @@ def _load(job: Job) -> None:
     job.consumed = int(state["extra"].get("consumed_samples",
                                           job.iteration * args.global_batch_size))
     if job.runtime is not None:  # weight versions count local steps since the start
-        job.runtime.drift.version = job.iteration * (args.num_microbatches // job.opts.accumulation)
+        job.runtime.resume_at(job.iteration, args.num_microbatches)
     if job.reporter:
         _log(f"> loaded checkpoint from {args.load} at iteration {job.iteration} "
              f"({job.consumed} samples consumed; {state['path']})")
@@ -228,11 +233,20 @@ def _tensorboard(path: str, purge_step: Optional[int] = None):
     return SummaryWriter(log_dir=path, purge_step=purge_step)
 
 
-def _pipeline_stats(job: Job) -> Optional[List[Dict]]:
-    """Every stage's drift summary; a small gather over the pipeline group (a sync point:
-    at log intervals only)."""
+def _stage_stats(job: Job) -> Optional[List[Optional[Dict]]]:
+    """Per stage, the drift summary this rank knows without communicating: its own stage's.
+    A gather over the pipeline group would make every stage wait for the slowest at each log
+    line (about P-1 backwards under PACI); the full table is gathered only where the stages
+    meet anyway: at checkpoints and at the end (``_pipeline_table``)."""
     if job.runtime is None:
         return None
+    row = job.runtime.drift_summary()
+    return [row if s == row["stage"] else None for s in range(job.info["pp_size"])]
+
+
+def _pipeline_table(job: Job) -> List[Dict]:
+    """Every stage's drift summary: a gather over the pipeline group, so call it only after a
+    drain (checkpoints, end of training), where no stage is waiting on another's messages."""
     return mcore_runtime.gather_across_pipeline(job.runtime.drift_summary())
 
 
@@ -292,10 +306,11 @@ def evaluate(job: Job) -> Optional[float]:
         chunk.eval()
     total = []
     for _ in range(args.eval_iters):
-        losses = job.forward_backward(
-            forward_step_func=build.gpt_forward_step, data_iterator=data, model=job.model,
-            num_microbatches=args.num_microbatches, seq_length=args.seq_length,
-            micro_batch_size=args.micro_batch_size, forward_only=True)
+        with torch.no_grad():  # as Megatron-LM: no graph, so no activations kept
+            losses = job.forward_backward(
+                forward_step_func=build.gpt_forward_step, data_iterator=data, model=job.model,
+                num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size, forward_only=True)
         loss = _mean_loss(losses)
         if loss is not None:
             total.append(loss)
@@ -315,6 +330,12 @@ def save(job: Job) -> None:
         if job.reporter:
             _log(f"> PACI: drained the pipeline before saving (this stage dropped {dropped} "
                  "in-flight forwards; their data is replayed)")
+    if job.runtime is not None:  # the stages meet here anyway: the per-stage table is free
+        table = _pipeline_table(job)
+        if job.reporter:
+            _log(f"> PACI drift at iteration {job.iteration}: max per stage "
+                 f"{[row['max'] for row in table]}, skipped steps per stage "
+                 f"{[row['skipped_steps'] for row in table]}")
     path = checkpoint.save_checkpoint(
         job.args.save, job.iteration, job.model, job.optimizer, job.lr_scheduler,
         extra={"consumed_samples": job.consumed, "schedule": job.args.pipeline_schedule,
@@ -347,17 +368,18 @@ def _save_is_due(job: Job) -> bool:
 
 def _log_iteration(job: Job, step: Dict, elapsed_ms: float) -> None:
     args = job.args
-    stats = _pipeline_stats(job)
     if not job.reporter:
         return
-    drift = [row["max"] for row in stats] if stats else None
-    skipped = [row["skipped_steps"] for row in stats] if stats else [0] * job.info["pp_size"]
+    stats = _stage_stats(job)  # None for the stages this rank cannot see without a collective
+    drift = [row and row["max"] for row in stats] if stats else None
+    skipped = ([row and row["skipped_steps"] for row in stats] if stats
+               else [0] * job.info["pp_size"])
     tokens_per_s = args.global_batch_size * args.seq_length / (elapsed_ms / 1000.0)
     lr = job.optimizer.param_groups[0]["lr"]
     gn = "n/a" if step["grad_norm"] is None else f"{step['grad_norm']:.3f}"
-    drift_text = f" | PACI drift max per stage {drift}" if drift is not None else ""
-    if any(skipped):
-        drift_text += f" | skipped (non-finite) steps per stage {skipped}"
+    drift_text = f" | PACI drift max (this stage) {drift[-1]}" if drift is not None else ""
+    if skipped[-1]:
+        drift_text += f" | skipped (non-finite) steps (this stage) {skipped[-1]}"
     eta_s = int(elapsed_ms / 1000.0 * (args.train_iters - job.iteration))
     drift_text += f" | ETA {eta_s // 3600:d}:{eta_s // 60 % 60:02d}:{eta_s % 60:02d}"
     _log(f" iteration {job.iteration:8d}/{args.train_iters:8d} | consumed samples "
@@ -383,7 +405,9 @@ def train(args, opts: ScheduleOptions) -> Dict:
              f"{getattr(fb, '__qualname__', repr(fb))}")
         _log(f"> schedule {args.pipeline_schedule}: P={job.info['pp_size']} "
              f"TP={job.info['tp_size']} DP={job.info['dp_size']} micro-batches/iteration="
-             f"{args.num_microbatches} a={opts.accumulation}")
+             f"{args.num_microbatches} a={opts.accumulation}"
+             + (f", stock 1F1B for the first {opts.sync_iters} iterations (--paci-sync-iters)"
+                if opts.sync_iters else ""))
     t_last = time.perf_counter()
     since_log = 0
     while job.iteration < args.train_iters:
@@ -409,11 +433,16 @@ def train(args, opts: ScheduleOptions) -> Dict:
 
 
 def _memory_record(job: Job) -> Dict:
-    """This stage's peaks: resident memory of the process (device memory on CUDA) and, with
-    --measure-activation-memory, the bytes saved for backward."""
+    """This stage's peaks: every tensor (the CUDA allocator's peak, or on CPU the live-tensor
+    meter of --measure-memory), the bytes saved for backward (--measure-activation-memory), and
+    the process's resident memory."""
     activation = job.meter.peak / 2**20 if job.meter is not None else None
-    return {"stage": job.info["pp_rank"], "peak_rss_mb": build.peak_memory_mb(),
-            "peak_activation_mb": activation}
+    whole = build.peak_device_memory_mb()
+    if job.live_meter is not None:
+        job.live_meter.stop()
+        whole = job.live_meter.peak / 2**20
+    return {"stage": job.info["pp_rank"], "peak_memory_mb": whole,
+            "peak_activation_mb": activation, "peak_rss_mb": build.peak_rss_mb()}
 
 
 def finish(job: Job) -> Dict:
@@ -422,7 +451,7 @@ def finish(job: Job) -> Dict:
                                "iteration": job.iteration}
     if job.runtime is not None:
         dropped = job.runtime.drain()
-        drift = mcore_runtime.gather_across_pipeline(job.runtime.drift_summary())
+        drift = _pipeline_table(job)
         summary["drift"] = drift
         if job.reporter:
             _log(f"> PACI: drained the pipeline at the end (this stage dropped {dropped} "
@@ -445,6 +474,8 @@ def finish(job: Job) -> Dict:
                          "consumed_samples": job.consumed, "validation_loss": validation,
                          "wall_s": time.perf_counter() - job.started,
                          "max_drift": [r["max"] for r in summary.get("drift", [])],
+                         "peak_memory_mb": [m["peak_memory_mb"] for m in memory],
+                         "skipped_steps": [r["skipped_steps"] for r in summary.get("drift", [])],
                          "peak_rss_mb": [m["peak_rss_mb"] for m in memory],
                          "peak_activation_mb": [m["peak_activation_mb"] for m in memory]})
     if job.uninstall is not None:

@@ -1,7 +1,9 @@
-"""The compare tool end to end on mock data: two schedules, a report with its table and plots."""
+"""The compare tool end to end on mock data: a built-in run and a named variant
+(``--run``), two seeds (``--seeds``), a report with time to accuracy and plots; and, from the
+same runs, ``--paci-sync-iters``: its first iterations equal stock 1F1B bit for bit."""
 
+import json
 import math
-import os
 import subprocess
 import sys
 
@@ -11,32 +13,110 @@ from launch import REPO
 
 pytestmark = pytest.mark.dist
 
+SEEDS = (1234, 1235)
+K = 2  # --paci-sync-iters of the named variant, with a = 4 of M = 8 (two steps an iteration)
+ITERS = 6
+NAME = f"paci-a4-sync{K}"
 
-def test_compare_writes_report_and_plots(tmp_path):
-    out = tmp_path / "report"
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare") / "report"
     proc = subprocess.run(
-        [sys.executable, "-m", "paci_megatron.compare", "--schedules", "1f1b,paci", "--out",
-         str(out), "--", "--untie-embeddings-and-output-weights", "--num-layers", "2",
-         "--hidden-size", "32", "--seq-length", "16", "--train-iters", "6",
-         "--measure-activation-memory"],
-        capture_output=True, text=True, timeout=300, cwd=REPO)
+        [sys.executable, "-m", "paci_megatron.compare", "--schedules", "1f1b",
+         "--run", f"{NAME}=--pipeline-schedule paci --paci-accumulation-factor 4 "
+         f"--paci-sync-iters {K}",
+         "--seeds", ",".join(map(str, SEEDS)), "--timeout", "400", "--out", str(out), "--",
+         "--untie-embeddings-and-output-weights", "--num-layers", "2", "--hidden-size", "32",
+         "--seq-length", "16", "--train-iters", str(ITERS), "--measure-activation-memory"],
+        capture_output=True, text=True, timeout=1200, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    report = (out / "report.md").read_text()
-    lines = [l for l in report.splitlines() if l.startswith("| ")]
-    header = [c.strip() for c in lines[0].strip("|").split("|")]
-    for column in ("run", "final val loss", "best val loss", "iters to 1F1B final",
-                   "wall s to 1F1B final", "tokens/s", "peak RSS MB per stage",
+    return out, proc.stdout
+
+
+def _rows(lines, header_has):
+    """The rows under the first header line containing ``header_has``."""
+    i = next(i for i, l in enumerate(lines) if header_has in l)
+    header = [c.strip() for c in lines[i].strip("|").split("|")]
+    rows = []
+    for line in lines[i + 1:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells[0] == "run":
+            break
+        rows.append(dict(zip(header, cells)))
+    return header, rows
+
+
+def test_compare_reports_time_to_accuracy_over_seeds(compared):
+    out, stdout = compared
+    lines = [l for l in (out / "report.md").read_text().splitlines() if l.startswith("| ")]
+    header, runs = _rows(lines, "final val loss")
+    for column in ("run", "seeds", "final val loss", "best val loss", "tokens/s",
+                   "projected s/iteration", "projected throughput vs 1f1b",
                    "peak activation MB per stage", "max drift per stage"):
         assert column in header
-    rows = {l.split("|")[1].strip(): [c.strip() for c in l.strip("|").split("|")]
-            for l in lines[1:] if not l.startswith("|---")}
-    assert set(rows) == {"1f1b", "paci"}
-    for name, cells in rows.items():
-        row = dict(zip(header, cells))
-        assert math.isfinite(float(row["final val loss"])) and float(row["tokens/s"]) > 0
-        assert all(math.isfinite(float(x)) for x in row["peak activation MB per stage"].split("/"))
-    assert rows["paci"][header.index("max drift per stage")] == "1/0"
-    assert rows["1f1b"][header.index("iters to 1F1B final")] == "6"
-    for png in ("loss_vs_samples.png", "loss_vs_wall.png"):
+    runs = {r["run"]: r for r in runs}
+    assert set(runs) == {"1f1b", NAME}
+    for row in runs.values():
+        assert row["seeds"] == "2"
+        mean, sd = (float(x) for x in row["final val loss"].split(" ± "))
+        assert math.isfinite(mean) and 0 <= sd < 0.5
+    assert runs[NAME]["max drift per stage"] == "1/0"
+    # P=2, M=8, tf:tb = 1:2: stock 1F1B (M+P-1)(tf+tb) = 27 ms per iteration, PACI M(tf+tb) = 24
+    assert runs["1f1b"]["projected s/iteration"] == "0.027"
+    assert runs[NAME]["projected throughput vs 1f1b"] == "1.125"
+
+    _, tta = _rows(lines, "projected TTA speed-up")
+    targets = {(r["run"], r["target"]): r for r in tta}
+    assert {t for _, t in targets} == {"1f1b final", "1f1b mid-run"}
+    for target in ("1f1b final", "1f1b mid-run"):
+        assert targets[("1f1b", target)]["projected TTA speed-up vs 1f1b"] == "1.000 ± 0.000"
+    mid = targets[(NAME, "1f1b mid-run")]
+    assert mid["projected TTA speed-up vs 1f1b"] != "not reached"
+    assert f"{NAME}: projected time-to-accuracy speed-up vs 1f1b to 1f1b mid-run" in stdout
+    assert "(projected throughput ratio 1.125)" in stdout
+    for png in ("loss_vs_samples.png", "loss_vs_wall.png", "loss_vs_projected.png"):
         assert (out / png).stat().st_size > 5000
-    assert "peak activation memory paci/1f1b per stage: 1.000 1.000" in proc.stdout
+    assert f"peak activation memory {NAME}/1f1b per stage: 1.000 1.000" in stdout
+
+
+def _metrics(out, name, seed):
+    return [json.loads(l) for l in (out / f"{name}.seed{seed}.jsonl").read_text().splitlines()]
+
+
+def _train(records, key):
+    return [r[key] for r in records if "lm_loss" in r]
+
+
+def _summary(out, name, seed):
+    log = (out / f"{name}.seed{seed}.log").read_text()
+    line = next(l for l in log.splitlines() if l.startswith("PACI_SUMMARY "))
+    return json.loads(line[len("PACI_SUMMARY "):])
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_sync_iters_run_stock_1f1b_first_then_paci(compared, seed):
+    out, _ = compared
+    stock, sync = _metrics(out, "1f1b", seed), _metrics(out, NAME, seed)
+    stock_loss = [float(x).hex() for x in _train(stock, "lm_loss")]
+    sync_loss = [float(x).hex() for x in _train(sync, "lm_loss")]
+    assert len(stock_loss) == len(sync_loss) == ITERS
+    # the first K iterations are stock 1F1B bit for bit: losses (scaled by 1/M, not 1/a),
+    # the grad norm over all stages, the LR advanced by the whole batch
+    assert sync_loss[:K] == stock_loss[:K]
+    assert _train(sync, "grad_norm")[:K] == _train(stock, "grad_norm")[:K]
+    # then PACI with a = 4: a local step inside every iteration, so every later loss differs
+    assert all(a != b for a, b in zip(sync_loss[K:], stock_loss[K:]))
+    assert _train(sync, "lr") == _train(stock, "lr")  # two steps of 4 = one of 8, for the LR
+    drift = _summary(out, NAME, seed)["drift"]
+    assert [row["max"] for row in drift] == [row["bound"] for row in drift] == [1, 0]
+    assert [row["steps"] for row in drift] == [K + (ITERS - K) * 2] * 2
+    # no drift during the warm-up: at P=2 each PACI step leaves one stage-0 forward in flight
+    # across it (drift 1), except the last one, whose forward the final drain drops
+    assert drift[0]["histogram"].get("1") == (ITERS - K) * 2 - 1
+
+
+def test_seeds_change_the_run(compared):
+    out, _ = compared
+    losses = [_train(_metrics(out, "1f1b", seed), "lm_loss") for seed in SEEDS]
+    assert losses[0] != losses[1]

@@ -16,6 +16,7 @@ import textwrap
 import pytest
 
 from launch import REPO, parse_results, run_torchrun
+from messages import error_line, names_flag
 
 pytest.importorskip("sentencepiece")
 
@@ -200,9 +201,10 @@ def test_cli_errors(case, small_dataset, tmp_path, capsys):
     code, out, err = _run_cli(["--input", text, "--output-prefix", out_prefix,
                                "--tokenizer-model", new_model, *extra], capsys)
     assert code == 2
-    assert "error:" in err and flag in err and "Traceback" not in err
+    message = error_line(err)  # not the usage text, which names every flag
+    assert names_flag(message, flag) and "Traceback" not in err, err
     if case == "json_no_text":
-        assert "line 2" in err and "'text'" in err
+        assert "line 2" in message and "'text'" in message
     leftovers = [p for p in os.listdir(tmp_path) if p.startswith("out")]
     assert leftovers == []  # nothing half-written
 
@@ -214,7 +216,8 @@ def test_cli_error_exit_code_without_traceback(tmp_path):
          "--tokenizer-model", str(tmp_path / "m.model")],
         cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert "--input" in proc.stderr and "no such file" in proc.stderr
+    message = error_line(proc.stderr)
+    assert names_flag(message, "--input") and "no such file" in message
     assert "Traceback" not in proc.stderr
 
 

@@ -34,12 +34,3 @@ def test_main_job_trains(schedule, function):
     if schedule == "paci":
         assert [row["max"] for row in summary["drift"]] == [1, 0]
         assert [row["steps"] for row in summary["drift"]] == [8, 8]
-
-
-def test_paci_can_drain_before_evaluation():
-    _, out, _ = run_torchrun("pretrain_gpt_paci.py", FLAGS + [
-        "--pipeline-schedule", "paci", "--eval-interval", "4", "--paci-drain-before-eval"],
-        nproc=2, timeout=180)
-    assert "> PACI: drained the pipeline before evaluation at iteration 4" in out
-    assert " validation loss at iteration 4 " in out and "not drained" not in out
-    assert _summary(out)["drift"][0]["max"] == 1

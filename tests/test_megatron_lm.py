@@ -80,6 +80,7 @@ def _megatron_args(**overrides):
     (dict(rampup_batch_size=[8, 8, 100]), "--rampup-batch-size"),
     (dict(overlap_param_gather=True), "--overlap-param-gather"),
     (dict(rerun_mode="report_determinism_stats"), "--rerun-mode"),
+    (dict(apply_layernorm_1p=True), "--apply-layernorm-1p"),
     (dict(pipeline_schedule="1f1b", paci_accumulation_factor=4), "only applies to"),
     (dict(pipeline_schedule="interleaved"), "--num-layers-per-virtual-pipeline-stage"),
 ])

@@ -20,3 +20,48 @@ def test_meter_tracks_in_flight_activations():
     del outs, out
     assert meter.live == 0 and meter.peak == 3 * per_mb
     assert not meter.refs
+
+
+def test_live_meter_counts_a_known_allocation_once_and_frees_it():
+    from paci_megatron.memory import LiveTensorMeter
+
+    meter = LiveTensorMeter().start()
+    try:
+        base = meter.live
+        held = torch.empty(250_000)  # 1 MB, alive across the ops below
+        assert meter.live == base + 1_000_000
+        views = [held.view(500, 500), held[10:]]  # views add no storage
+        assert meter.live == base + 1_000_000
+        tmp = torch.ones(1000) * 2  # 4 kB, and the 4 kB of ones() freed right after
+        torch.zeros(0)  # any operator looks for freed storages
+        assert meter.live == base + 1_000_000 + 4000
+        del held, views, tmp
+        torch.zeros(0)  # any operator looks for freed storages
+        assert meter.live == base
+        assert meter.peak >= base + 1_000_000 + 8000  # ones() and its product were both alive
+    finally:
+        meter.stop()
+
+
+def test_live_meter_counts_optimizer_state_and_gradients():
+    from paci_megatron.memory import LiveTensorMeter
+
+    layer = torch.nn.Linear(64, 64)
+    param_bytes = (64 * 64 + 64) * 4
+    optimizer = torch.optim.Adam(layer.parameters(), lr=1e-3, foreach=False)
+    meter = LiveTensorMeter().start()
+    try:
+        before = meter.live  # the weights were found by the start-up scan
+        assert before >= param_bytes
+        layer(torch.randn(8, 64)).sum().backward()
+        torch.zeros(0)
+        assert meter.live == before + param_bytes  # the input is gone, the gradients stay
+        optimizer.step()
+        torch.zeros(0)
+        # Adam's two moments per weight, and a 4-byte step count per parameter tensor
+        assert meter.live == before + param_bytes + 2 * param_bytes + 2 * 4
+        optimizer.zero_grad(set_to_none=True)
+        torch.zeros(0)
+        assert meter.live == before + 2 * param_bytes + 2 * 4
+    finally:
+        meter.stop()

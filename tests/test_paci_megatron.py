@@ -97,12 +97,16 @@ def test_backward_reads_weights_updated_after_forward(four_ranks):
 
 def test_drain_drops_in_flight_and_replays_their_data(two_ranks):
     first, last = sorted(two_ranks("drain_replays"), key=lambda r: r["stage"])
-    ref = first["reference"]
-    # stage 0 ran 3 calls (12 micro-batches + 1 ahead), drained (dropping that one) and ran the
-    # next 3 calls from the dropped micro-batch on: it is seen twice, nothing is lost
+    # stage 0 ran 3 calls (micro-batches 0..11 and 12 ahead), drained (dropping 12) and ran 3
+    # more calls from an empty pipeline (indices restart at 0): item 12 is read again by the
+    # first forward after the drain, nothing is lost; the last stage holds nothing in flight
     assert first["dropped"] == 1 and last["dropped"] == 0
-    assert first["seen"] == ref[:13] + ref[12:25]
-    assert last["seen"] == ref[:24]
+    before = [[m, m] for m in range(13)]
+    assert [r[:2] for r in first["seen"]] == before + [[m, 12 + m] for m in range(13)]
+    assert [r[:2] for r in last["seen"]] == before[:12] + [[m, 12 + m] for m in range(12)]
+    for r in (first, last):  # the item numbered n is the n-th item of the stream, unchanged
+        assert [x[2] for x in r["seen"]] == [r["reference"][x[1]] for x in r["seen"]]
+        assert len(set(r["reference"])) == len(r["reference"])  # distinct micro-batches
 
 
 def test_p1_paci_equals_gradient_accumulation(one_rank):

@@ -10,7 +10,6 @@ from paci_megatron.schedule import (
     Schedule,
     build_flush,
     build_paci,
-    cut_points,
     drift_bound,
     plan_stream,
     segments,
@@ -96,24 +95,86 @@ def test_simulator_rejects_broken_lists():
         simulate(Schedule.parse("nostep", 1, ["F0 B0"]))
 
 
-@pytest.mark.parametrize("P,a,k", [(1, 1, 1), (2, 2, 1), (4, 1, 4), (4, 4, 1), (4, 2, 2),
-                                   (8, 8, 1), (8, 3, 2), (5, 7, 1)])
-def test_stream_calls_are_balanced_and_periodic(P, a, k):
+# Golden lists, derived by hand from the PACI rule (stage s runs P-1-s forwards ahead, then
+# one forward / one backward; a step after every a-th backward; a call ends after its N-th
+# backward and, on s > 0, takes the next input its predecessor already sent).
+GOLDEN_CALLS = {
+    ("paci", 2, 2, 4): (
+        ["F0 SF0 F1 SF1 RB0 B0 F2 SF2 RB1 B1 T1 F3 SF3 RB2 B2 F4 SF4 RB3 B3 T3",
+         "RF0 F0 B0 SB0 RF1 F1 B1 SB1 T1 RF2 F2 B2 SB2 RF3 F3 B3 SB3 T3 RF4"],
+        ["F5 SF5 RB4 B4 F6 SF6 RB5 B5 T5 F7 SF7 RB6 B6 F8 SF8 RB7 B7 T7",
+         "F4 B4 SB4 RF5 F5 B5 SB5 T5 RF6 F6 B6 SB6 RF7 F7 B7 SB7 T7 RF8"]),
+    ("paci", 3, 1, 3): (
+        ["F0 SF0 F1 SF1 F2 SF2 RB0 B0 T0 F3 SF3 RB1 B1 T1 F4 SF4 RB2 B2 T2",
+         "RF0 F0 SF0 RF1 F1 SF1 RB0 B0 SB0 T0 RF2 F2 SF2 RB1 B1 SB1 T1 RF3 F3 SF3 RB2 B2 SB2 T2 RF4",
+         "RF0 F0 B0 SB0 T0 RF1 F1 B1 SB1 T1 RF2 F2 B2 SB2 T2 RF3"],
+        ["F5 SF5 RB3 B3 T3 F6 SF6 RB4 B4 T4 F7 SF7 RB5 B5 T5",
+         "F4 SF4 RB3 B3 SB3 T3 RF5 F5 SF5 RB4 B4 SB4 T4 RF6 F6 SF6 RB5 B5 SB5 T5 RF7",
+         "F3 B3 SB3 T3 RF4 F4 B4 SB4 T4 RF5 F5 B5 SB5 T5 RF6"]),
+    ("paci", 2, 1, 1): (
+        ["F0 SF0 F1 SF1 RB0 B0 T0", "RF0 F0 B0 SB0 T0 RF1"],
+        ["F2 SF2 RB1 B1 T1", "F1 B1 SB1 T1 RF2"]),
+    ("flush", 2, 2, 2): (
+        ["F0 SF0 F1 SF1 RB0 B0 RB1 B1 T1", "RF0 F0 B0 SB0 RF1 F1 B1 SB1 T1"],
+        ["F2 SF2 F3 SF3 RB2 B2 RB3 B3 T3", "RF2 F2 B2 SB2 RF3 F3 B3 SB3 T3"]),
+}
+
+
+def _text(acts):
+    return " ".join(map(str, acts))
+
+
+@pytest.mark.parametrize("key", sorted(GOLDEN_CALLS), ids="{0[0]}-P{0[1]}-a{0[2]}-N{0[3]}".format)
+def test_stream_calls_match_hand_written_lists(key):
+    plan = plan_stream(*key)
+    call0, call1 = GOLDEN_CALLS[key]
+    assert [_text(acts) for acts in plan.call(0)] == call0
+    assert [_text(acts) for acts in plan.call(1)] == call1
+
+
+def _count(acts, op):
+    return sum(1 for x in acts if x.op is op)
+
+
+STREAM_CASES = [(1, 1, 1), (2, 2, 1), (3, 1, 1), (4, 1, 4), (4, 4, 1), (4, 2, 2), (8, 8, 1),
+                (8, 3, 2), (8, 1, 1), (5, 7, 1)]
+
+
+@pytest.mark.parametrize("P,a,k", STREAM_CASES)
+def test_stream_calls_are_prefixes_of_one_paci_list(P, a, k):
+    """Concatenating calls 0..c gives a prefix of one long PACI list; counted from that
+    prefix alone: (c+1)N backwards, (c+1)N/a steps, P-1-s forwards in flight, the next input
+    already received on s > 0, and every message sent so far also received."""
     N = a * k
+    calls = 4
     plan = plan_stream("paci", P, a, N)
-    for s in range(P):
-        # PACI keeps P-1-s forwards in flight across a call boundary
-        fwd = sum(1 for x in plan.first[s] if x.op is Op.FORWARD)
-        bwd = sum(1 for x in plan.first[s] if x.op is Op.BACKWARD)
-        assert bwd == N and fwd == N + min(P - 1 - s, N * 10)
-    flush = plan_stream("flush", P, a, N)
-    assert flush.call(3) == tuple(tuple(x.shifted(2 * N) for x in acts) for acts in flush.steady)
-    # concatenating calls gives back the full schedule the simulator checked
-    sched = build_paci(P, a, 5 * N)
-    cuts = cut_points(sched, 3 * N)
-    for s in range(P):
-        joined = sum((list(plan.call(c)[s]) for c in range(3)), [])
-        assert joined == list(sched.stages[s][: cuts[s]])
+    whole = build_paci(P, a, N * (calls + 2) + P)
+    joined = [[] for _ in range(P)]
+    for c in range(calls):
+        for s in range(P):
+            joined[s] += plan.call(c)[s]
+            acts = joined[s]
+            assert acts == list(whole.stages[s][: len(acts)]), (P, a, N, c, s)
+            assert _count(acts, Op.BACKWARD) == (c + 1) * N
+            assert _count(acts, Op.STEP) == (c + 1) * N // a
+            assert _count(acts, Op.FORWARD) - _count(acts, Op.BACKWARD) == P - 1 - s
+            if s > 0:
+                assert _count(acts, Op.RECV_F) == _count(acts, Op.FORWARD) + 1
+                assert acts[-1].op is Op.RECV_F
+        for s in range(P - 1):  # the link s -> s+1 is empty at the call boundary
+            assert _count(joined[s], Op.SEND_F) == _count(joined[s + 1], Op.RECV_F)
+            assert _count(joined[s + 1], Op.SEND_B) == _count(joined[s], Op.RECV_B)
+
+
+@pytest.mark.parametrize("P,a,k", STREAM_CASES)
+def test_flush_stream_calls_end_empty(P, a, k):
+    N = a * k
+    plan = plan_stream("flush", P, a, N)
+    for c in range(3):
+        for s, acts in enumerate(plan.call(c)):
+            mbs = sorted({x.mb for x in acts if x.op is Op.FORWARD})
+            assert mbs == list(range(c * N, (c + 1) * N))
+            assert _count(acts, Op.BACKWARD) == N and _count(acts, Op.STEP) == N // a
 
 
 def test_accumulation_must_divide_calls():
@@ -126,5 +187,8 @@ def test_accumulation_must_divide_calls():
 def test_segments_split_whole_schedule():
     sched = build_paci(4, 2, 8)
     segs = segments(sched, 4)
+    assert len(segs) == 2
     for s in range(4):
-        assert sum(len(seg[s]) for seg in segs) == len(sched.stages[s])
+        assert list(segs[0][s]) + list(segs[1][s]) == list(sched.stages[s])
+        assert [_count(seg[s], Op.BACKWARD) for seg in segs] == [4, 4]
+    assert segs[1][0][-1] == Action(Op.STEP, 7)  # the last segment runs to the end

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from launch import REPO, run_torchrun
+from messages import error_messages, names_flag
 
 SHAKESPEARE = os.path.join(REPO, "..", "shared", "data", "tinyshakespeare.txt")
 
@@ -60,13 +61,18 @@ def test_shakespeare_trains_evaluates_and_writes_metrics(schedule, shakespeare, 
                     "tokens_per_sec", "max_drift"):
             assert key in r, key
         assert len(r["max_drift"]) == 2
-    evals = [r["validation_loss"] for r in records if "validation_loss" in r]
+    evals = {r["iteration"]: r["validation_loss"] for r in records
+             if "validation_loss" in r and not r.get("final")}
+    assert sorted(evals) == [10, 20, 30]
     final = records[-1]
-    assert final["final"] is True and final["validation_loss"] == evals[-1]
-    assert evals[-1] < evals[0], evals
+    # the run ends on an evaluation (iteration 30): the final record reports it, not a new one
+    assert final["final"] is True and final["validation_loss"] == evals[30]
+    assert out.count(" validation loss at iteration ") == 3
+    assert evals[30] < evals[10], evals
     assert " validation loss at iteration 10 " in out
     if schedule == "paci":
-        assert logged[-1]["max_drift"] == [1, 0]
+        # per iteration the logging stage knows only its own drift; every stage's at the end
+        assert logged[-1]["max_drift"] == [None, 0] and final["max_drift"] == [1, 0]
         assert "PACI pipeline not drained" in out
 
 
@@ -75,10 +81,14 @@ def _losses(path):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("schedule", ["1f1b", "paci"])
+@pytest.mark.parametrize("schedule", [
+    "1f1b", "paci",
+    # stock 1F1B to iteration 6 (--paci-sync-iters), saved at 4: the resumed run must switch
+    # to PACI at 6, not 4 iterations after the load
+    pytest.param("paci --paci-sync-iters 6", marks=pytest.mark.slow)])
 def test_resume_is_exact(schedule, tmp_path):
     """train 4 of 8, save, stop, load, train to 8 == train 8 saving at 4 (PACI drains there)."""
-    flags = ["--pipeline-schedule", schedule, "--hidden-dropout", "0.1"]
+    flags = ["--pipeline-schedule", *schedule.split(), "--hidden-dropout", "0.1"]
     one = tmp_path / "one.jsonl"
     _train(flags + ["--train-iters", "8", "--save", str(tmp_path / "a"), "--save-interval", "4",
                     "--metrics-file", str(one)])
@@ -128,7 +138,9 @@ def test_bad_input_fails_before_training(case, match, tmp_path):
     code, out, err = run_torchrun("pretrain_gpt_paci.py", TINY + flags + ["--train-iters", "2"],
                                   nproc=2, timeout=120, check=False)
     assert code != 0
-    assert match in out + err
+    messages = error_messages(out + err)  # each rank's "error:" line, not the usage text
+    assert messages and all(match in m and names_flag(m, match.split()[0]) for m in messages), \
+        out[-2000:] + err[-3000:]
     assert " iteration " not in out  # nothing trained
 
 

@@ -165,13 +165,19 @@ def stage_info() -> Dict[str, int]:
     )
 
 
-def peak_memory_mb() -> float:
-    """Peak device memory allocated on CUDA; peak resident memory of the process on CPU."""
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**20
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process (host memory, on any machine)."""
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def peak_device_memory_mb() -> Optional[float]:
+    """The CUDA allocator's peak of allocated memory (every tensor of the stage); None without
+    CUDA (there ``memory.LiveTensorMeter`` counts the same, with --measure-memory)."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return None
 
 
 def _is_gloo() -> bool:

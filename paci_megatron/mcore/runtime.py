@@ -20,9 +20,10 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_model_config, get_model_type
 
-from ..autograd_versions import keep_version_counters
+from ..autograd_versions import ZERO_CENTERED_GAMMA, keep_version_counters
 from ..executor import DriftStats, ReplayIterator, StageExecutor
-from ..schedule import Action, Op, StreamPlan, check_max_drift, drift_bound, plan_stream
+from ..schedule import (Action, Op, StreamPlan, check_max_drift, drift_bound, exchanges,
+                        plan_stream)
 
 STOCK_GET_FORWARD_BACKWARD_FUNC = mcore_schedules.get_forward_backward_func
 
@@ -45,7 +46,8 @@ class StageState:
     outputs: Dict[int, Any] = field(default_factory=dict)
     output_grads: Dict[int, Any] = field(default_factory=dict)
     input_grads: Dict[int, Any] = field(default_factory=dict)
-    pending_sends: List[tuple] = field(default_factory=list)  # (work, tensor to free or None)
+    # (work, tensor to free or None, Op.SEND_F or Op.SEND_B)
+    pending_sends: List[tuple] = field(default_factory=list)
 
     def in_flight(self) -> int:
         return len(self.outputs)
@@ -79,7 +81,7 @@ class MegatronHandlers:
         state = self.state
         self.data.current = mb
         output, _num_tokens = mcore_schedules.forward_step(
-            self.forward_step_func, self.data, self.model, self.rt.accumulation,
+            self.forward_step_func, self.data, self.model, self.rt.plan.accumulation,
             state.inputs.get(mb), self.store, self.config,
             cp_group_size=self.rt.pg.cp.size(),
             is_first_microbatch=self.rt.fresh_weights,  # weights changed: refresh caches
@@ -90,7 +92,7 @@ class MegatronHandlers:
 
     def backward(self, mb: int) -> None:
         state = self.state
-        closes_group = (mb + 1) % self.rt.accumulation == 0
+        closes_group = (mb + 1) % self.rt.plan.accumulation == 0
         self.finish_send_of(mb)  # long done: the next stage already sent this one's gradient
         with self.rt.grad_sync(enabled=closes_group):
             grad = mcore_schedules.backward_step(
@@ -106,14 +108,15 @@ class MegatronHandlers:
 
     # communication
     def communicate(self, actions: Sequence[Action]) -> None:
-        batch: Dict[Op, Action] = {}
-        for act in actions:
-            if act.op in batch:
-                self._exchange(batch)
-                batch = {}
-            batch[act.op] = act
-        if batch:
-            self._exchange(batch)
+        earlier, self.state.pending_sends = self.state.pending_sends, []
+        for batch in exchanges(actions):
+            self._exchange({act.op: act for act in batch})
+        # Sends posted by an earlier exchange are waited for now, after this one is posted:
+        # each neighbour receives on a channel in order and needs nothing we send later to
+        # get there, so this cannot deadlock; it frees their buffers one exchange later. (gloo
+        # reports a send complete only once waited for, so reaping by is_completed() alone
+        # kept every message of an iteration alive until its end.)
+        self.wait_sends(earlier)
         self.reap_sends(wait=False)
 
     def _exchange(self, batch: Dict[Op, Action]) -> None:
@@ -140,32 +143,43 @@ class MegatronHandlers:
         if Op.RECV_B in batch:
             state.output_grads[batch[Op.RECV_B].mb] = recv_next
         if "send_next" in reqs:
-            state.pending_sends.append((reqs["send_next"], out))
+            state.pending_sends.append((reqs["send_next"], out, Op.SEND_F))
         elif out is not None:
             mcore_schedules.deallocate_output_tensor(out, self.config.deallocate_pipeline_outputs)
         if "send_prev" in reqs:
-            state.pending_sends.append((reqs["send_prev"], None))
+            state.pending_sends.append((reqs["send_prev"], None, Op.SEND_B))
 
     def finish_send_of(self, mb: int) -> None:
         output = self.state.outputs.get(mb)
-        for work, tensor in self.state.pending_sends:
+        for work, tensor, _ in self.state.pending_sends:
             if tensor is output and tensor is not None:
                 work.wait()
         self.reap_sends(wait=False)
 
     def reap_sends(self, wait: bool) -> None:
         """Free sent activations whose send completed (all of them if ``wait``)."""
+        if wait:
+            pending, self.state.pending_sends = self.state.pending_sends, []
+            self.wait_sends(pending)
+            return
         still = []
-        for work, tensor in self.state.pending_sends:
-            if wait:
-                work.wait()
-            elif not work.is_completed():
-                still.append((work, tensor))
-                continue
-            if tensor is not None:
+        for work, tensor, op in self.state.pending_sends:
+            if not work.is_completed():
+                still.append((work, tensor, op))
+            elif tensor is not None:
                 mcore_schedules.deallocate_output_tensor(
                     tensor, self.config.deallocate_pipeline_outputs)
         self.state.pending_sends = still
+
+    def wait_sends(self, sends: List[tuple]) -> None:
+        for work, tensor, op in sends:
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                raise PeerFailure(self.rt.describe_peers([op]), exc) from exc
+            if tensor is not None:
+                mcore_schedules.deallocate_output_tensor(
+                    tensor, self.config.deallocate_pipeline_outputs)
 
 
 # --- the runtime: one stream per training run -----------------------------------------------
@@ -183,8 +197,9 @@ def pipeline_groups() -> ProcessGroupCollection:
 
 
 def check_no_cross_stage_grad_reduction(model, pg: ProcessGroupCollection) -> None:
-    """finalize_model_grads crosses stages only for tied word embeddings (first <-> last stage)
-    and for position embeddings split over stages; PACI refuses both instead of stalling."""
+    """finalize_model_grads crosses stages for tied word embeddings and multi-token prediction
+    (first <-> last stage), position embeddings split over stages, conditional embedders (all
+    stages) and barriered level-1 timers (all ranks); PACI refuses them instead of stalling."""
     if pg.pp.size() == 1:
         return
     inner = model
@@ -197,6 +212,24 @@ def check_no_cross_stage_grad_reduction(model, pg: ProcessGroupCollection) -> No
             "--untie-embeddings-and-output-weights")
     if pg.pos_embd is not None and pg.pos_embd.size() > 1:
         raise ValueError("PACI does not support position embeddings shared across stages")
+    config = get_model_config(model)
+    if getattr(config, "mtp_num_layers", None):
+        raise ValueError(
+            "PACI does not support multi-token prediction across pipeline stages: "
+            "finalize_model_grads all-reduces the embedding between the first and last stage "
+            "at every step; drop --mtp-num-layers or use one pipeline stage")
+    if getattr(config, "has_cond_embedder", False):
+        raise ValueError(
+            "PACI does not support conditional embedders replicated on every stage: "
+            "finalize_model_grads all-reduces their gradients over the pipeline group at every "
+            "step")
+    timers = getattr(config, "timers", None)
+    if timers is not None and getattr(timers, "_log_level", 0) >= 1 \
+            and getattr(config, "barrier_with_L1_time", False):
+        raise ValueError(
+            "PACI cannot run level-1 timers with barriers: finalize_model_grads and the "
+            "optimizer would barrier all ranks inside each stage's local step; use "
+            "--timing-log-level 0")
 
 
 def grads_are_finite(model, group) -> bool:
@@ -206,8 +239,11 @@ def grads_are_finite(model, group) -> bool:
     buffers = [b.grad_data for b in getattr(model, "buffers", [])]
     if not buffers:
         buffers = [getattr(p, "main_grad", p.grad) for p in model.parameters()]
-    flags = [torch.isfinite(g).all() for g in buffers if g is not None]
-    finite = torch.stack(flags).all().float() if flags else torch.ones(())
+    # max |g| per buffer: NaN and Inf propagate into it, and unlike isfinite() it makes no
+    # full-size temporary at a moment when P-1-s micro-batches of activations are alive
+    largest = [torch.linalg.vector_norm(g, ord=float("inf")).float()
+               for g in buffers if g is not None and g.numel()]
+    finite = torch.isfinite(torch.stack(largest)).all().float() if largest else torch.ones(())
     if group is not None and group.size() > 1:
         torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN, group=group)
     return bool(finite)
@@ -230,10 +266,12 @@ class PaciRuntime:
 
     kind="paci" runs PACI; kind="flush" runs the same executor on the flush baseline (stock
     1F1B with a drain before each step), which must equal stock Megatron bit for bit.
+    ``sync_calls`` K (--paci-sync-iters): a PACI runtime runs its first K training calls as
+    stock 1F1B (the flush plan with one step per call), then PACI.
     """
 
     def __init__(self, *, accumulation: int, kind: str = "paci", max_drift: Optional[int] = None,
-                 on_nonfinite: str = "skip"):
+                 on_nonfinite: str = "skip", sync_calls: int = 0):
         if kind not in ("paci", "flush"):
             raise ValueError(f"unknown runtime kind {kind!r}")
         self.kind = kind
@@ -247,6 +285,9 @@ class PaciRuntime:
         self.lr_increment = None
         self.plan: Optional[StreamPlan] = None
         self.call_index = 0
+        self.sync_calls = sync_calls
+        self.calls_done = 0  # training calls since the start of the run (drains keep it)
+        self._stock_grad_groups: list = []
         self.state = StageState()
         self.data: Optional[ReplayIterator] = None
         self.steps: List[StepRecord] = []
@@ -270,10 +311,45 @@ class PaciRuntime:
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.lr_increment = lr_increment
-        if self.kind == "paci":
-            group = stage_grad_stats_group(optimizer)
-            for opt in _sub_optimizers(optimizer):
+        self._stock_grad_groups = [getattr(opt, "grad_stats_parallel_group", None)
+                                   for opt in _sub_optimizers(optimizer)]
+        self._use_stage_grad_stats(self.kind == "paci")
+
+    def _use_stage_grad_stats(self, stage_local: bool) -> None:
+        """PACI reduces grad norm / found-inf within the stage; stock 1F1B (and the sync
+        warm-up) over all stages, as Megatron does."""
+        group = stage_grad_stats_group(self.optimizer) if stage_local else None
+        for opt, stock in zip(_sub_optimizers(self.optimizer), self._stock_grad_groups):
+            if group is not None:
                 opt.grad_stats_parallel_group = group
+            elif stock is not None:
+                opt.grad_stats_parallel_group = stock
+            elif hasattr(opt, "grad_stats_parallel_group"):
+                del opt.grad_stats_parallel_group  # Megatron's default: the model-parallel group
+
+    def _next_kind(self) -> str:
+        """"flush" during the sync warm-up (--paci-sync-iters), else this runtime's kind."""
+        return "flush" if self.kind == "paci" and self.calls_done < self.sync_calls else self.kind
+
+    def _next_plan(self, per_call: int) -> StreamPlan:
+        """The warm-up runs the flush plan with one step per call: stock 1F1B (loss scaled by
+        1/N, LR advanced by the whole batch, grad norm over all stages)."""
+        if self._next_kind() != self.kind:
+            return plan_stream("flush", self.num_stages, per_call, per_call)
+        return plan_stream(self.kind, self.num_stages, self.accumulation, per_call)
+
+    def _lr_increment_now(self) -> Optional[int]:
+        """``lr_increment`` counts the samples of ``accumulation`` backwards; a step of the
+        sync warm-up closes a whole batch."""
+        if self.lr_increment is None:
+            return None
+        return self.lr_increment * self.plan.accumulation // self.accumulation
+
+    def resume_at(self, iteration: int, per_call: int) -> None:
+        """After --load at ``iteration``: the calls and local steps already taken."""
+        self.calls_done = iteration
+        sync = min(iteration, self.sync_calls) if self.kind == "paci" else 0
+        self.drift.version = sync + (iteration - sync) * (per_call // self.accumulation)
 
     def describe_peers(self, actions) -> str:
         """'pipeline stage 2 (global rank 5)' for the neighbours these actions talk to."""
@@ -319,7 +395,7 @@ class PaciRuntime:
             ok, grad_norm = False, float("nan")
         lr = None
         if ok and self.lr_scheduler is not None:
-            self.lr_scheduler.step(increment=self.lr_increment)
+            self.lr_scheduler.step(increment=self._lr_increment_now())
         if self.lr_scheduler is not None:
             lr = self.optimizer.param_groups[0]["lr"]
         model.zero_grad_buffer()
@@ -347,7 +423,10 @@ class PaciRuntime:
                              "is broadcast across all pipeline stages at every step)")
         if self.kind == "paci":
             check_no_cross_stage_grad_reduction(model, self.pg)
-        self.plan = plan_stream(self.kind, self.num_stages, self.accumulation, num_microbatches)
+            if getattr(config, "layernorm_zero_centered_gamma", False):
+                raise ValueError(ZERO_CENTERED_GAMMA)
+        self.plan = self._next_plan(num_microbatches)
+        self._use_stage_grad_stats(self.plan.kind == "paci")
         self.call_index = 0
         self._model = model
         self.data = ReplayIterator(data_iterator) if self.data is None else self.data
@@ -385,6 +464,8 @@ class PaciRuntime:
                          micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
                          forward_only=True, collect_non_loss_data=collect_non_loss_data,
                          first_val_step=first_val_step)
+        if self.plan is not None and self.plan.kind != self._next_kind():
+            self.plan = None  # end of the sync warm-up: the flush call left the pipeline empty
         if self.plan is None:
             self._start(model, data_iterator, num_microbatches, seq_length, micro_batch_size,
                         decoder_seq_length)
@@ -402,6 +483,7 @@ class PaciRuntime:
         StageExecutor(self.stage, handlers, self.drift).run(actions)
         handlers.reap_sends(wait=True)
         self.call_index += 1
+        self.calls_done += 1
         return store
 
     def drain(self) -> int:

@@ -193,17 +193,32 @@ def case_layout(tp: int, pp: int, out_dir: str) -> None:
         bound=drift_bound(pp, info["pp_rank"], 4), steps=rt.drift.version))
 
 
+def numbered(data):
+    """The stream with a sequence number in every item (``seq``, ignored by the forward step)
+    so that each micro-batch is named uniquely."""
+    if data is None:
+        return None
+    return ({**item, "seq": i} for i, item in enumerate(data))
+
+
+def tokens_sha256(item) -> str:
+    return hashlib.sha256(item["tokens"].contiguous().numpy().tobytes()).hexdigest()
+
+
 def case_drain_replays(out_dir: str) -> None:
     """Drain mid-run == flushing there: PACI, drain after 3 calls, 3 more calls, equals the data
-    the flush schedule would have seen (same micro-batches, in order, none lost or doubled)."""
+    the flush schedule would have seen (same micro-batches, in order, none lost or doubled).
+    Records, per forward, (micro-batch index, sequence number of the item it read, hash of its
+    tokens)."""
     ctx = setup(pp=2)
+    ctx["data"] = numbered(ctx["data"])
     seen = []
 
     def recording_step(data_iterator, model):
         out, loss = build.gpt_forward_step(data_iterator, model)
         item = rt.data.taken.get(rt.data.current)
         if item:
-            seen.append(int(item[-1]["tokens"][0, 0]))
+            seen.append([rt.data.current, item[-1]["seq"], tokens_sha256(item[-1])])
         return out, loss
 
     rt = make_runtime(ctx, "paci", 4)
@@ -212,10 +227,10 @@ def case_drain_replays(out_dir: str) -> None:
     train_runtime(ctx, rt, 3, 4, forward_step_func=recording_step)
     rt.drain()
     ctx = setup(pp=2)
-    reference = []
+    reference = []  # the hash of the i-th item of the same stream, read straight
     for _ in range(24 + 4):
         if ctx["data"] is not None:
-            reference.append(int(next(ctx["data"])["tokens"][0, 0]))
+            reference.append(tokens_sha256(next(ctx["data"])))
     finish("drain_replays", out_dir, dict(stage=ctx["info"]["pp_rank"], seen=seen,
                                           reference=reference, dropped=dropped))
 

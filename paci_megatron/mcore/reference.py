@@ -1,0 +1,313 @@
+"""A one-process numerical reference for PACI: every pipeline stage in one process.
+
+``PipelineEmulator`` holds the P stage modules of one Megatron-Core GPT (stage s built as
+Megatron builds pipeline rank s: same layers, same initial weights), each with its own DDP
+wrapper, optimizer, LR scheduler, RNG streams and data. It runs the per-stage action lists of
+``schedule.plan_stream`` (the lists the multi-process runtime runs) in one valid global order
+(``emulate.global_order``), handing activations and gradients over in memory, and implements
+each action itself: Megatron's stock ``forward_step``/``backward_step`` for the compute, and
+its own local step (data-parallel gradient reduction, optimizer step, LR step, zeroing). So it
+shares no orchestration code with ``runtime.py``: a multi-process run that equals it bit for
+bit (every micro-batch loss, every stage's weights after every step) steps on the right
+gradients with the right scale, LR and clipping norm.
+
+Only the pipeline is emulated. Tensor and data parallelism stay real: launch one emulator per
+(tensor, data) rank, i.e. TP x DP processes, so their collectives are the same operations as in
+the multi-process run. Each process then plays every pipeline stage of its coordinate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.pipeline_parallel import schedules as mcore_schedules
+from megatron.core.utils import get_model_config, get_model_type
+
+from ..autograd_versions import keep_version_counters
+from ..emulate import run_global
+from ..schedule import Action, Op, StreamPlan, drift_bound, plan_stream
+from . import build
+from .checkpoint import weights_sha256
+
+
+class _PipelineGroupView:
+    """What Megatron's model builders ask of a pipeline group (rank and size) for a stage
+    that does not have a process of its own."""
+
+    def __init__(self, rank: int, size: int):
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+@contextlib.contextmanager
+def as_pipeline_stage(stage: int, num_stages: int):
+    """Make Megatron-Core build and run as pipeline rank ``stage`` of ``num_stages`` in a
+    process whose real pipeline group has one rank (Megatron's own rank/size overrides, plus
+    the group that model builders read their layer offset from)."""
+    ps = parallel_state
+    saved = (ps._MPU_PIPELINE_MODEL_PARALLEL_RANK, ps._MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE,
+             ps.get_pipeline_model_parallel_group)
+    real_group = ps.get_pipeline_model_parallel_group
+    if real_group().size() != 1:
+        raise RuntimeError("the emulator needs a process with pipeline-parallel size 1 "
+                           f"(found {real_group().size()})")
+    view = _PipelineGroupView(stage, num_stages)
+    ps.set_pipeline_model_parallel_rank(stage)
+    ps.set_pipeline_model_parallel_world_size(num_stages)
+    ps.get_pipeline_model_parallel_group = lambda *args, **kwargs: view
+    try:
+        yield
+    finally:
+        ps._MPU_PIPELINE_MODEL_PARALLEL_RANK, ps._MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = saved[:2]
+        ps.get_pipeline_model_parallel_group = saved[2]
+
+
+def _rng_state() -> tuple:
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    return torch.get_rng_state(), cuda, tensor_parallel.get_cuda_rng_tracker().get_states()
+
+
+def _set_rng_state(state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1])
+    tensor_parallel.get_cuda_rng_tracker().set_states(dict(state[2]))
+
+
+@dataclass
+class StageParts:
+    """What a stage is made of; built by the caller inside ``as_pipeline_stage``."""
+
+    model: Any  # one DDP-wrapped model chunk
+    optimizer: Any
+    lr_scheduler: Any = None
+    data: Optional[Iterator] = None  # first and last stage: the batches, in order
+
+
+@dataclass
+class StepLog:
+    mb: int
+    ok: bool
+    grad_norm: Optional[float]
+    lr: Optional[float]
+    weights: str  # weights_sha256 after the step
+
+
+class _Batches:
+    """Random access to a stage's batch stream: item i is the i-th batch of the iterator."""
+
+    def __init__(self, iterator: Optional[Iterator]):
+        self.iterator, self.items = iterator, []
+
+    def __getitem__(self, index: int):
+        while len(self.items) <= index:
+            self.items.append(next(self.iterator))
+        return self.items[index]
+
+
+@dataclass
+class _Stage:
+    index: int
+    parts: StageParts
+    batches: _Batches
+    rng: tuple
+    version: int = 0
+    fresh_weights: bool = True
+    fwd_version: Dict[int, int] = field(default_factory=dict)
+    drift: Dict[int, int] = field(default_factory=dict)  # drift -> count
+    inputs: Dict[int, Any] = field(default_factory=dict)
+    outputs: Dict[int, Any] = field(default_factory=dict)
+    output_grads: Dict[int, Any] = field(default_factory=dict)
+    input_grads: Dict[int, Any] = field(default_factory=dict)
+    steps: List[StepLog] = field(default_factory=list)
+
+
+class PipelineEmulator:
+    """P stages in one process, running PACI's (or the flush baseline's) action lists.
+
+    ``build_stage(s)`` returns the stage's ``StageParts``; it runs as pipeline rank s with the
+    RNG seeded as Megatron-LM seeds rank s (``build.set_random_seed``), so the stage is built
+    exactly as the multi-process run builds it. Each stage then keeps its own RNG streams.
+    """
+
+    def __init__(self, *, num_stages: int, accumulation: int, micro_batch_size: int,
+                 seq_length: int, build_stage: Callable[[int], StageParts], seed: int = 1234,
+                 kind: str = "paci", lr_increment: Optional[int] = None,
+                 forward_step_func: Callable = build.gpt_forward_step):
+        self.num_stages, self.accumulation, self.kind = num_stages, accumulation, kind
+        self.micro_batch_size, self.seq_length = micro_batch_size, seq_length
+        self.forward_step_func = forward_step_func
+        dp = parallel_state.get_data_parallel_world_size()
+        self.lr_increment = lr_increment or accumulation * micro_batch_size * dp
+        self.stages: List[_Stage] = []
+        for s in range(num_stages):
+            with as_pipeline_stage(s, num_stages):
+                build.set_random_seed(seed)
+                parts = build_stage(s)
+                self.stages.append(_Stage(s, parts, _Batches(parts.data), _rng_state()))
+        self.messages: Dict[tuple, List] = {}
+        self.plan: Optional[StreamPlan] = None
+        self.call_index = 0
+        self.consumed = 0  # micro-batches whose backward ran on every stage, before this plan
+        self.losses: List[Dict] = []
+        self.hooks: List[Callable[[int, Action, str], None]] = []  # (stage, action, "before"|"after")
+
+    # one action of one stage ---------------------------------------------------------------
+    def _run(self, s: int, act: Action) -> None:
+        stage = self.stages[s]
+        with as_pipeline_stage(s, self.num_stages):
+            _set_rng_state(stage.rng)
+            for hook in self.hooks:
+                hook(s, act, "before")
+            getattr(self, "_" + act.op.name.lower())(stage, act.mb)
+            for hook in self.hooks:
+                hook(s, act, "after")
+            stage.rng = _rng_state()
+
+    def _forward(self, stage: _Stage, mb: int) -> None:
+        model = stage.parts.model
+        is_last = stage.index == self.num_stages - 1
+        reads = stage.index in (0, self.num_stages - 1)
+        data = iter([stage.batches[self.consumed + mb]]) if reads else None
+        store: list = []
+        output, _ = mcore_schedules.forward_step(
+            self.forward_step_func, data, model, self.accumulation, stage.inputs.get(mb),
+            store, get_model_config(model), cp_group_size=1,
+            is_first_microbatch=stage.fresh_weights, current_microbatch=mb, is_last_stage=is_last)
+        stage.fresh_weights = False
+        stage.outputs[mb] = output
+        stage.fwd_version[mb] = stage.version
+        if is_last:
+            self.losses += store
+
+    def _send_f(self, stage: _Stage, mb: int) -> None:
+        out = stage.outputs[mb]
+        self.messages.setdefault((stage.index, "F"), []).append((mb, out.detach().clone()))
+        config = get_model_config(stage.parts.model)
+        mcore_schedules.deallocate_output_tensor(out, config.deallocate_pipeline_outputs)
+
+    def _recv_f(self, stage: _Stage, mb: int) -> None:
+        sent_mb, tensor = self.messages[(stage.index - 1, "F")].pop(0)
+        assert sent_mb == mb, (sent_mb, mb)
+        stage.inputs[mb] = tensor.requires_grad_()
+
+    def _backward(self, stage: _Stage, mb: int) -> None:
+        model = stage.parts.model
+        drift = stage.version - stage.fwd_version.pop(mb)
+        stage.drift[drift] = stage.drift.get(drift, 0) + 1
+        closes_group = (mb + 1) % self.accumulation == 0
+        sync = contextlib.nullcontext() if closes_group else model.no_sync()
+        with sync:
+            grad = mcore_schedules.backward_step(
+                stage.inputs.pop(mb, None), stage.outputs.pop(mb), stage.output_grads.pop(mb, None),
+                get_model_type(model), get_model_config(model))
+        if stage.index > 0:
+            stage.input_grads[mb] = grad
+
+    def _send_b(self, stage: _Stage, mb: int) -> None:
+        grad = stage.input_grads.pop(mb)
+        self.messages.setdefault((stage.index, "B"), []).append((mb, grad.detach().clone()))
+
+    def _recv_b(self, stage: _Stage, mb: int) -> None:
+        sent_mb, tensor = self.messages[(stage.index + 1, "B")].pop(0)
+        assert sent_mb == mb, (sent_mb, mb)
+        stage.output_grads[mb] = tensor
+
+    def _step(self, stage: _Stage, mb: int) -> None:
+        """Data-parallel reduction within the stage, then its optimizer and LR step."""
+        model, optimizer, scheduler = (stage.parts.model, stage.parts.optimizer,
+                                       stage.parts.lr_scheduler)
+        model.finish_grad_sync()
+        with keep_version_counters(list(model.parameters())):
+            ok, grad_norm, _ = optimizer.step()
+        if ok and scheduler is not None:
+            scheduler.step(increment=self.lr_increment)
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        stage.version += 1
+        stage.fresh_weights = True
+        lr = optimizer.param_groups[0]["lr"] if scheduler is not None else None
+        stage.steps.append(StepLog(mb, bool(ok), None if grad_norm is None else float(grad_norm),
+                                   lr, weights_sha256([model])))
+
+    # calls, like Megatron's forward-backward function -----------------------------------------
+    def train_call(self, num_microbatches: int) -> List[Dict]:
+        """One training iteration: every stage runs its list up to its next N backwards.
+        Returns the last stage's loss records of this call, in micro-batch order."""
+        if self.plan is None:
+            self.plan = plan_stream(self.kind, self.num_stages, self.accumulation, num_microbatches)
+            self.call_index = 0
+            for stage in self.stages:
+                stage.parts.model.zero_grad_buffer()
+                stage.parts.optimizer.zero_grad()
+        elif num_microbatches != self.plan.per_call:
+            raise ValueError("the number of micro-batches changed while micro-batches are in "
+                             "flight; drain() first")
+        self.losses = []
+        run_global(self.plan.call(self.call_index), self._run)
+        self.call_index += 1
+        return self.losses
+
+    def drain(self) -> int:
+        """Drop every in-flight forward; the next forwards take their batches again (a flush
+        at this iteration boundary). Returns the forwards dropped at stage 0."""
+        if self.plan is None:
+            return 0
+        dropped = len(self.stages[0].fwd_version)
+        self.consumed += self.call_index * self.plan.per_call
+        for stage in self.stages:
+            stage.fwd_version.clear()
+            stage.inputs.clear()
+            stage.outputs.clear()
+            stage.output_grads.clear()
+            stage.input_grads.clear()
+        if any(self.messages.values()):
+            raise RuntimeError("drain with messages in transit (drain between calls only)")
+        self.plan = None
+        return dropped
+
+    # reporting -------------------------------------------------------------------------------
+    def drift_bounds(self) -> List[int]:
+        if self.kind != "paci":
+            return [0] * self.num_stages
+        return [drift_bound(self.num_stages, s, self.accumulation) for s in range(self.num_stages)]
+
+    def max_drift(self) -> List[int]:
+        return [max(stage.drift, default=0) for stage in self.stages]
+
+    def stage_model(self, s: int):
+        return self.stages[s].parts.model
+
+
+def audit_backward(emulator: PipelineEmulator, stage: int):
+    """Attach a ``BackwardAudit`` to one stage of ``emulator``; returns the list its verdicts
+    are appended to after every backward of that stage. Not for ``--recompute-granularity``
+    runs (their forward is re-run inside the backward)."""
+    from ..backward_audit import BackwardAudit
+
+    audit = BackwardAudit(emulator.stage_model(stage))
+    verdicts: list = []
+
+    def hook(s: int, act: Action, when: str) -> None:
+        if s != stage or act.op not in (Op.FORWARD, Op.BACKWARD):
+            return
+        if when == "after":
+            audit.idle()
+            if act.op is Op.BACKWARD:
+                verdicts.extend(audit.verify(act.mb))
+        elif act.op is Op.FORWARD:
+            audit.forward_phase(act.mb)
+        else:
+            audit.backward_phase(act.mb)
+
+    emulator.hooks.append(hook)
+    return verdicts

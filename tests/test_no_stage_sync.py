@@ -1,0 +1,112 @@
+"""No synchronisation between stages in PACI's steady state: logging every iteration runs no
+collective over the pipeline group, and flags that would put one there are refused."""
+
+import json
+import re
+import types
+
+import pytest
+
+from launch import parse_results, run_torchrun
+from paci_megatron import run as paci_run
+from test_megatron_lm import needs_megatron_lm, run_pretrain_gpt
+
+P = 2
+ITERS = 6
+FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+         "--untie-embeddings-and-output-weights", "--mock-data", "--log-interval", "1",
+         "--train-iters", str(ITERS), "--distributed-timeout-minutes", "2",
+         "--pipeline-schedule", "paci"]
+
+
+@pytest.fixture(scope="module")
+def counted_run(tmp_path_factory):
+    metrics = tmp_path_factory.mktemp("nosync") / "metrics.jsonl"
+    _, out, _ = run_torchrun("tests/workers/count_collectives.py",
+                             FLAGS + ["--metrics-file", str(metrics)], nproc=P, timeout=300)
+    with open(metrics) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return parse_results(out), out, records
+
+
+@pytest.mark.dist
+def test_no_pipeline_collective_between_first_and_last_iteration(counted_run):
+    results, _, _ = counted_run
+    assert sorted(r["rank"] for r in results) == list(range(P))
+    for r in results:
+        assert r["count"] == 0, r["calls"]
+
+
+@pytest.mark.dist
+def test_log_shows_own_stage_and_the_table_comes_at_the_end(counted_run):
+    _, out, records = counted_run
+    logged = [r for r in records if "lm_loss" in r]
+    assert len(logged) == ITERS
+    # the logging (last) stage knows its own drift; the others' are only known at the end
+    assert all(r["max_drift"] == [None, 0] for r in logged)
+    assert records[-1]["final"] is True and records[-1]["max_drift"] == [1, 0]
+    assert records[-1]["skipped_steps"] == [0, 0]
+    assert len(re.findall(r"\| PACI drift max \(this stage\) 0 \|", out)) == ITERS
+    assert "> stage 0: max drift 1 (bound 1)" in out
+
+
+def _megatron_args(**overrides):
+    base = dict(pipeline_schedule="paci", paci_accumulation_factor=None, paci_max_drift=None,
+                num_layers_per_virtual_pipeline_stage=None,
+                num_virtual_stages_per_pipeline_rank=None, pipeline_model_parallel_size=2,
+                untie_embeddings_and_output_weights=True, rampup_batch_size=None,
+                overlap_param_gather=False, rerun_mode="validate_results",
+                calculate_per_token_loss=False, timing_log_level=0, exit_duration_in_mins=None,
+                exit_signal_handler=False, mtp_num_layers=None, num_experts=None,
+                log_params_norm=False)
+    base.update(overrides)
+    return types.SimpleNamespace(**base)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(timing_log_level=1), "--timing-log-level 1"),
+    (dict(timing_log_level=2), "--timing-log-level 2"),
+    (dict(exit_duration_in_mins=30), "--exit-duration-in-mins"),
+    (dict(exit_signal_handler=True), "--exit-signal-handler"),
+    (dict(mtp_num_layers=1), "--mtp-num-layers"),
+    (dict(num_experts=8), "--num-experts"),
+    (dict(log_params_norm=True), "--log-params-norm"),
+])
+def test_megatron_lm_flags_with_stage_crossing_collectives_are_refused(overrides, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        paci_run.validate_flags(_megatron_args(**overrides))
+    paci_run.validate_flags(_megatron_args(pipeline_schedule="1f1b", **overrides))  # stock
+    if {"mtp_num_layers", "num_experts", "log_params_norm"} & set(overrides):  # one stage
+        paci_run.validate_flags(_megatron_args(pipeline_model_parallel_size=1, **overrides))
+
+
+def test_runtime_refuses_collectives_inside_the_local_step():
+    from paci_megatron.mcore.runtime import check_no_cross_stage_grad_reduction
+
+    def check(**config):
+        base = dict(mtp_num_layers=None, has_cond_embedder=False, timers=None,
+                    barrier_with_L1_time=True)
+        model = types.SimpleNamespace(share_embeddings_and_output_weights=False,
+                                      config=types.SimpleNamespace(**{**base, **config}))
+        pg = types.SimpleNamespace(pp=types.SimpleNamespace(size=lambda: 2), pos_embd=None)
+        check_no_cross_stage_grad_reduction(model, pg)
+
+    check()
+    check(timers=types.SimpleNamespace(_log_level=0))
+    check(timers=types.SimpleNamespace(_log_level=1), barrier_with_L1_time=False)
+    for config, message in ((dict(mtp_num_layers=1), "multi-token prediction"),
+                            (dict(has_cond_embedder=True), "conditional embedders"),
+                            (dict(timers=types.SimpleNamespace(_log_level=1)),
+                             "--timing-log-level 0")):
+        with pytest.raises(ValueError, match=message):
+            check(**config)
+
+
+@pytest.mark.dist
+@needs_megatron_lm
+def test_megatron_lm_parser_refuses_timing_barriers(tmp_path):
+    rc, out, err = run_pretrain_gpt(["--pipeline-schedule", "paci", "--timing-log-level", "1"],
+                                    tmp_path)
+    assert rc != 0
+    assert "error: --pipeline-schedule paci cannot run --timing-log-level 1" in out + err

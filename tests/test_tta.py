@@ -1,0 +1,142 @@
+"""Time to accuracy (pure): interpolation on synthetic curves, the simulator's projection, and
+the compare report built from synthetic metrics records (no training launched)."""
+
+import pytest
+
+from paci_megatron import compare, tta
+from paci_megatron.simulate import Costs
+
+COSTS = Costs(1.0, 2.0, 0.0)  # tf : tb = 1 : 2, free steps
+
+
+def curve(values, step=10):
+    """Points whose x values are (iteration, 2 x iteration) at every ``step`` iterations."""
+    return [((step * (i + 1), 2 * step * (i + 1)), v) for i, v in enumerate(values)]
+
+
+def test_target_never_reached_is_none():
+    assert tta.reach(curve([5.0, 4.0, 3.5]), 3.4) is None
+    assert tta.reach([], 1.0) is None
+
+
+def test_target_reached_at_the_first_point_gives_that_point():
+    assert tta.reach(curve([3.0, 2.0]), 3.0) == (10.0, 20.0)
+    assert tta.reach(curve([3.0, 2.0]), 4.0) == (10.0, 20.0)
+
+
+def test_interpolates_between_the_last_point_above_and_the_first_at_or_below():
+    # 5.0 at x=10, 4.0 at x=20: 4.2 is 80% of the way
+    assert tta.reach(curve([5.0, 4.0, 3.0]), 4.2) == pytest.approx((18.0, 36.0), abs=1e-12)
+    assert tta.reach(curve([5.0, 4.0, 3.0]), 4.0) == (20.0, 40.0)  # exact hit: that point
+
+
+def test_non_monotonic_curve_counts_its_first_crossing():
+    values = [5.0, 4.0, 4.5, 3.0]
+    # dips to 4.0 at x=10..20, rises again: 4.2 is first reached in the dip, not later
+    assert tta.reach(curve(values), 4.2) == pytest.approx((18.0, 36.0), abs=1e-12)
+    # 3.5 is first reached between 4.5 (x=30) and 3.0 (x=40), not from the dip at 4.0
+    assert tta.reach(curve(values), 3.5) == pytest.approx((30 + 10 * 2 / 3, 60 + 20 * 2 / 3))
+
+
+@pytest.mark.parametrize("P,M,flush,paci", [(2, 8, 27.0, 24.0), (4, 8, 33.0, 24.0),
+                                            (8, 8, 45.0, 24.0), (4, 16, 57.0, 48.0)])
+def test_projected_time_per_iteration_is_the_bubble_of_each_schedule(P, M, flush, paci):
+    # stock 1F1B: (M + P - 1)(tf + tb); PACI in steady state: M (tf + tb), no bubble
+    assert tta.seconds_per_call("flush", P, M, M, COSTS) == flush
+    assert tta.seconds_per_call("paci", P, M, M, COSTS) == paci
+    shape = tta.RunShape("paci", P, M, M)
+    assert tta.seconds_per_iteration(shape, COSTS) == (flush, paci)
+
+
+def test_step_costs_count_once_per_local_step():
+    costs = Costs(1.0, 2.0, 0.5)
+    assert tta.seconds_per_call("flush", 4, 8, 8, costs) == 33.5
+    assert tta.seconds_per_call("paci", 4, 8, 8, costs) == 24.5
+    assert tta.seconds_per_call("paci", 4, 2, 8, costs) == 26.0  # 4 steps per iteration
+
+
+def test_sync_warm_up_runs_at_1f1b_pace_and_counts_one_update_per_iteration():
+    shape = tta.RunShape("paci", 4, 8, 2, sync_iters=3)
+    assert tta.projected_seconds(shape, COSTS, 10) == 3 * 33.0 + 7 * 24.0
+    assert tta.projected_seconds(shape, COSTS, 2.5) == 2.5 * 33.0
+    assert shape.updates(10) == 3 + 7 * 4
+    assert tta.RunShape("1f1b", 4, 8, 8).updates(10) == 10
+    assert tta.projected_seconds(tta.RunShape("1f1b", 4, 8, 8), COSTS, 10) == 330.0
+
+
+def test_mid_run_target_interpolates_at_half_the_samples():
+    assert tta.mid_run_target(curve([5.0, 4.0, 3.0, 2.0]), 0) == 4.0  # x=20 of 40
+    assert tta.mid_run_target(curve([5.0, 4.0, 3.0]), 0) == pytest.approx(4.5)  # x=15 of 30
+
+
+def records(values, samples_per_iteration=16, eval_every=2):
+    """Metrics records as pretrain_gpt_paci.py writes them: train, evaluations, final."""
+    out = []
+    for i in range(1, 2 * len(values) + 1):
+        out.append({"iteration": i, "consumed_samples": i * samples_per_iteration,
+                    "wall_s": 0.5 * i, "lm_loss": 6.0, "tokens_per_sec": 100.0,
+                    "max_drift": [1, 0, 0, 0]})
+        if i % eval_every == 0:
+            out.append({"iteration": i, "validation_loss": values[i // eval_every - 1]})
+    out.append({"final": True, "iteration": 2 * len(values),
+                "consumed_samples": 2 * len(values) * samples_per_iteration,
+                "validation_loss": values[-1], "wall_s": len(values) + 0.1,
+                "peak_rss_mb": [1.0] * 4, "peak_activation_mb": [2.0] * 4})
+    return out
+
+
+def test_equal_curves_give_the_projected_throughput_ratio_as_tta_speed_up():
+    shapes = {"1f1b": tta.RunShape("1f1b", 4, 8, 8), "paci": tta.RunShape("paci", 4, 8, 8)}
+    seeds = ([5.0, 4.0, 3.0, 2.5], [5.1, 4.1, 3.1, 2.6])
+    runs = {name: [compare.summarize(name, records(v), shape, COSTS, seed)
+                   for seed, v in zip((1, 2), seeds)] for name, shape in shapes.items()}
+    targets = compare.targets_per_seed(runs["1f1b"], [4.5])
+    assert [label for label, _ in targets] == ["1f1b final", "1f1b mid-run", "4.5"]
+    assert targets[0][1] == [2.5, 2.6] and targets[1][1] == [4.0, 4.1]
+    rows = {(r["run"], r["target"]): r for r in compare.time_to_accuracy(runs, "1f1b", targets)}
+    for label, _ in targets:
+        assert rows[("paci", label)]["speedup"] == pytest.approx([33 / 24] * 2, rel=1e-12)
+        assert rows[("1f1b", label)]["speedup"] == [1.0, 1.0]
+    hit = rows[("paci", "4.5")]["hits"][0]  # 5.0 at iteration 2, 4.0 at 4: iteration 3
+    assert hit == pytest.approx((48.0, 3.0, 1.5, 3 * 24.0))
+    text = compare.tta_table(list(rows.values()), "1f1b")
+    assert "| paci | 1f1b final | 2.5500 ± 0.0707 |" in text
+    assert text.count("| 1.375 ± 0.000 |") == 3
+    main = compare.report_table(runs, "1f1b")
+    assert "| paci | 2 | 2.5500 ± 0.0707 |" in main and "| 24 | 1.375 |" in main
+
+
+def test_a_target_some_seeds_miss_is_reported_as_such():
+    shape = tta.RunShape("paci", 4, 8, 8)
+    base = [compare.summarize("1f1b", records([5.0, 3.0]), tta.RunShape("1f1b", 4, 8, 8), COSTS)
+            for _ in range(2)]
+    slow = [compare.summarize("paci", records(v), shape, COSTS) for v in ([5.0, 3.0], [5.0, 3.5])]
+    rows = compare.time_to_accuracy({"1f1b": base, "paci": slow}, "1f1b",
+                                    [("1f1b final", [3.0, 3.0])])
+    assert rows[1]["hits"][1] is None and len(rows[1]["speedup"]) == 1
+    assert "(1/2 seeds)" in compare.tta_table(rows, "1f1b")
+    rows = compare.time_to_accuracy({"1f1b": base, "paci": slow}, "1f1b",
+                                    [("2", [2.0, 2.0])])
+    assert compare.tta_table(rows, "1f1b").count("not reached") >= 2
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--run", "bad name=--x"], "--run"),
+    (["--run", "paci-a4"], "NAME="),
+    (["--run", "x=--pipeline-schedule paci --paci-sync-iters -1"], "--paci-sync-iters"),
+    (["--run", "x=--pipeline-schedule 1f1b --paci-sync-iters 2"], "--paci-sync-iters"),
+    (["--schedules", "1f1b", "--run", "1f1b=--pipeline-schedule 1f1b"], "given twice"),
+    (["--schedules", "1f1b", "--seeds", "1,x"], "--seeds"),
+    (["--schedules", "1f1b", "--seeds", "1,1"], "--seeds"),
+    (["--schedules", "1f1b", "--seeds", "1,2", "--run", "x=--seed 3"], "--seed"),
+    (["--schedules", "1f1b", "--baseline", "paci"], "--baseline"),
+    (["--schedules", "nope"], "--schedules"),
+    (["--schedules", "1f1b", "--project-backward-ms", "-1"], "--project-backward-ms"),
+])
+def test_bad_compare_flags_fail_before_any_run(argv, match, tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        compare.main(argv + ["--out", str(tmp_path / "out"), "--",
+                             "--untie-embeddings-and-output-weights"])
+    assert info.value.code == 2
+    assert match in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # nothing was launched

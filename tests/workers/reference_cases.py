@@ -1,0 +1,178 @@
+"""PACI at P>1 against its one-process reference (run under torchrun).
+
+    torchrun --nproc-per-node TPxDPxP tests/workers/reference_cases.py --mode runtime --out DIR CASE...
+    torchrun --nproc-per-node TPxDP   tests/workers/reference_cases.py --mode emulator --out DIR CASE...
+
+``runtime``: one process per stage, the real PACI runtime (``PaciRuntime``). ``emulator``: the
+same model, optimizer and data with every stage in one process (``PipelineEmulator``); tensor
+and data parallelism stay real. Each rank writes DIR/CASE.<mode>.pp<S>tp<T>dp<D>.json with
+every micro-batch loss and, per local step, the grad norm, LR and a SHA-256 of the stage's
+weights; the pytest side compares the two modes.
+"""
+
+import argparse
+import dataclasses
+import faulthandler
+import json
+import os
+import sys
+from typing import Dict, List
+
+import torch
+
+from paci_megatron.mcore import build
+from paci_megatron.mcore.reference import (PipelineEmulator, StageParts, audit_backward,
+                                            weights_sha256)
+from paci_megatron.mcore.runtime import PaciRuntime, get_forward_backward_func
+
+MBS = 2
+SEED = 1234
+
+# every case: P stages, a, N micro-batches per iteration, calls; model and optimizer options.
+# clip 0.3 keeps gradient clipping active on most steps, so the clipping norm matters.
+BASE = dict(tp=1, dp=1, a=4, n=4, calls=5, dropout=0.0, bf16=False, recompute=False,
+            dist_opt=False, clip=0.3, layers=4, drain_after=None, eval_after=None,
+            audit=False)
+CASES: Dict[str, Dict] = {
+    "p2_a4": dict(pp=2, dropout=0.1),
+    "p2_a2": dict(pp=2, a=2, n=8, calls=4),
+    "p2_bf16": dict(pp=2, bf16=True, dropout=0.1),
+    "p2_distopt": dict(pp=2, a=2, dist_opt=True),
+    "p2_drain_eval": dict(pp=2, a=2, calls=6, drain_after=(2, 4), eval_after=(2, 4)),
+    "p4_a4": dict(pp=4, dropout=0.1),
+    "p4_a1": dict(pp=4, a=1, calls=4, audit=True),
+    "p4_bf16": dict(pp=4, a=2, bf16=True, audit=True),
+    "p4_recompute": dict(pp=4, a=2, n=8, calls=3, dropout=0.1, recompute=True),
+    "p4_eval_nodrain": dict(pp=4, a=2, calls=4, eval_after=(1, 3)),
+    "p4_drain_eval": dict(pp=4, a=4, n=8, calls=4, drain_after=(2,), eval_after=(2,)),
+    "p2_dp2": dict(pp=2, dp=2, dropout=0.1),
+    "p2_dp2_distopt": dict(pp=2, dp=2, a=2, dist_opt=True, dropout=0.1),
+    "p2_tp2": dict(pp=2, tp=2, dropout=0.1),
+}
+
+
+def config(case: str) -> Dict:
+    return {**BASE, **CASES[case]}
+
+
+def spec_of(cfg: Dict) -> build.GPTSpec:
+    return build.GPTSpec(
+        num_layers=cfg["layers"], hidden_size=32, num_attention_heads=4, seq_length=16,
+        vocab_size=128, untie_embeddings=True, hidden_dropout=cfg["dropout"],
+        attention_dropout=cfg["dropout"], bf16=cfg["bf16"],
+        recompute_granularity="full" if cfg["recompute"] else None,
+        recompute_method="uniform" if cfg["recompute"] else None,
+        recompute_num_layers=1 if cfg["recompute"] else None)
+
+
+def build_parts(cfg: Dict) -> StageParts:
+    """One stage as both modes build it (after Megatron-LM's seeding of this pipeline rank)."""
+    spec = spec_of(cfg)
+    model = build.build_gpt_model(spec, seed=SEED, use_distributed_optimizer=cfg["dist_opt"])
+    opt = build.build_optimizer(model, lr=2e-3, clip_grad=cfg["clip"], bf16=cfg["bf16"],
+                                use_distributed_optimizer=cfg["dist_opt"])
+    sched = build.build_lr_scheduler(opt, lr=2e-3, min_lr=2e-4, warmup_steps=8,
+                                     decay_steps=400, decay_style="cosine")
+    info = build.stage_info()
+    reads = info["is_first"] or info["is_last"]
+    data = build.mock_data_iterator(spec, MBS, SEED) if reads else None
+    return StageParts(model[0], opt, sched, data)
+
+
+def evaluate(fb, model, spec, data, n) -> None:
+    """A stock forward-only pass between two training calls (what evaluation does)."""
+    model.eval()
+    fb(forward_step_func=build.gpt_forward_step, data_iterator=data, model=[model],
+       num_microbatches=n, seq_length=spec.seq_length, micro_batch_size=MBS, forward_only=True)
+    model.train()
+
+
+def run_runtime(case: str, out_dir: str) -> None:
+    cfg = config(case)
+    info = build.init_distributed(tp=cfg["tp"], pp=cfg["pp"], seed=SEED, timeout_s=120)
+    parts = build_parts(cfg)
+    rt = PaciRuntime(kind="paci", accumulation=cfg["a"])
+    rt.bind(parts.optimizer, parts.lr_scheduler, lr_increment=cfg["a"] * MBS * info["dp_size"])
+    steps: List[Dict] = []
+    local_step = rt.local_step
+
+    def recording_step(mb: int) -> None:
+        local_step(mb)
+        record = rt.steps[-1]
+        steps.append(dict(mb=record.mb, ok=record.update_successful,
+                          grad_norm=_hex(record.grad_norm), lr=_hex(record.lr),
+                          weights=weights_sha256([parts.model])))
+
+    rt.local_step = recording_step
+    losses: List[str] = []
+    eval_data = build.mock_data_iterator(spec_of(cfg), MBS, SEED + 1) \
+        if info["is_first"] or info["is_last"] else None
+    for call in range(cfg["calls"]):
+        store = rt.forward_backward(
+            forward_step_func=build.gpt_forward_step, data_iterator=parts.data, model=[parts.model],
+            num_microbatches=cfg["n"], seq_length=16, micro_batch_size=MBS, forward_only=False)
+        losses += [_hex(float(d["lm loss"])) for d in store]
+        if cfg["drain_after"] and call + 1 in cfg["drain_after"]:
+            rt.drain()
+        if cfg["eval_after"] and call + 1 in cfg["eval_after"]:
+            evaluate(rt.forward_backward, parts.model, spec_of(cfg), eval_data, cfg["n"])
+    _write(out_dir, case, "runtime", info, dict(
+        losses=losses, steps=steps, max_drift=rt.drift.max,
+        histogram={str(k): v for k, v in sorted(rt.drift.histogram.items())}))
+
+
+def run_emulator(case: str, out_dir: str) -> None:
+    cfg = config(case)
+    info = build.init_distributed(tp=cfg["tp"], pp=1, seed=SEED, timeout_s=120)
+    emu = PipelineEmulator(num_stages=cfg["pp"], accumulation=cfg["a"], micro_batch_size=MBS,
+                           seq_length=16, build_stage=lambda s: build_parts(cfg), seed=SEED)
+    audits = {s: audit_backward(emu, s) for s in range(cfg["pp"])} if cfg["audit"] else {}
+    losses: List[str] = []
+    for call in range(cfg["calls"]):
+        losses += [_hex(float(d["lm loss"])) for d in emu.train_call(cfg["n"])]
+        if cfg["drain_after"] and call + 1 in cfg["drain_after"]:
+            emu.drain()
+    for s, stage in enumerate(emu.stages):
+        steps = [dict(mb=r.mb, ok=r.ok, grad_norm=_hex(r.grad_norm), lr=_hex(r.lr),
+                      weights=r.weights) for r in stage.steps]
+        _write(out_dir, case, "emulator", dict(info, pp_rank=s), dict(
+            losses=losses if s == cfg["pp"] - 1 else [], steps=steps,
+            max_drift=max(stage.drift, default=0),
+            histogram={str(k): v for k, v in sorted(stage.drift.items())},
+            audit=[dataclasses.asdict(v) for v in audits.get(s, [])]))
+
+
+def _hex(value):
+    return None if value is None else float(value).hex()
+
+
+def _write(out_dir: str, case: str, mode: str, info: Dict, result: Dict) -> None:
+    name = f"{case}.{mode}.pp{info['pp_rank']}tp{info['tp_rank']}dp{info['dp_rank']}.json"
+    with open(os.path.join(out_dir, name), "w") as f:
+        json.dump(dict(result, case=case, mode=mode, config=config(case)), f)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--mode", choices=("runtime", "emulator"), required=True)
+    parser.add_argument("cases", nargs="+", choices=sorted(CASES))
+    args = parser.parse_args()
+    faulthandler.dump_traceback_later(
+        float(os.environ.get("PACI_TEST_HANG_S", "240")) + int(os.environ.get("RANK", "0")),
+        exit=True)
+    os.makedirs(args.out, exist_ok=True)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    run = run_runtime if args.mode == "runtime" else run_emulator
+    for case in args.cases:
+        cfg = config(case)
+        need = cfg["tp"] * cfg["dp"] * (cfg["pp"] if args.mode == "runtime" else 1)
+        if need != world:
+            raise SystemExit(f"case {case} needs {need} processes in {args.mode} mode, got {world}")
+        run(case, args.out)
+    build.destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
