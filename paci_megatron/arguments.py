@@ -138,8 +138,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", type=_path("--save"), default=None,
                    help="checkpoint directory to write")
     g.add_argument("--load", type=_path("--load"), default=None,
-                   help="checkpoint directory to resume from")
+                   help="checkpoint directory to resume from (its newest complete checkpoint); "
+                        "a missing or empty one starts from scratch, as in Megatron-LM, so "
+                        "--save DIR --load DIR works from the first launch and after restarts")
     g.add_argument("--save-interval", type=_positive("--save-interval"), default=None)
+    g.add_argument("--save-interval-minutes", type=_bounded_float(
+        "--save-interval-minutes", low_open=True), default=None,
+        help="also save when this much wall-clock time has passed since the last save (bounds "
+             "the work a crash loses, whatever the iteration time; stages agree on the "
+             "iteration at about 10 check points per interval)")
     g.add_argument("--exit-interval", type=_positive("--exit-interval"), default=None,
                    help="stop (evaluate, save with --save) when the iteration is a multiple "
                         "of this; resume with --load and the same --train-iters")
@@ -155,9 +162,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "always reported")
     g.add_argument("--metrics-file", type=_path("--metrics-file"), default=None,
                    help="append one JSON object per logged iteration (and a final one)")
-    g.add_argument("--weights-digest", action="store_true",
-                   help="add each pipeline stage's SHA-256 of its final weights to the "
-                        "PACI_SUMMARY line (compare two runs bit for bit)")
     g = p.add_argument_group("pipeline schedule")
     g.add_argument("--pipeline-schedule", default="paci",
                    help=f"one of {SCHEDULES.names()} (default: paci)")
@@ -294,10 +298,10 @@ def _validate_data_and_outputs(args) -> None:
         raise ConfigError(f"--split {args.split!r} needs three non-negative weights, e.g. 969,30,1")
     if args.eval_interval is not None and weights[1] == 0 and args.data_path is not None:
         raise ConfigError("--eval-interval needs a validation share in --split (the 2nd weight)")
-    if args.save_interval is not None and not args.save:
-        raise ConfigError("--save-interval needs --save DIR")
-    if args.load is not None and not os.path.isdir(args.load):
-        raise ConfigError(f"--load {args.load}: no such directory")
+    for flag, value in (("--save-interval", args.save_interval),
+                        ("--save-interval-minutes", args.save_interval_minutes)):
+        if value is not None and not args.save:
+            raise ConfigError(f"{flag} needs --save DIR")
     if args.transformer_impl == "transformer_engine":
         try:
             import transformer_engine  # noqa: F401

@@ -8,9 +8,9 @@ so the loop only calls the forward-backward function.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -22,6 +22,7 @@ from .mcore import build, checkpoint
 from .mcore import runtime as mcore_runtime
 from .memory import LiveTensorMeter, SavedTensorMeter
 from .registry import SCHEDULES, ScheduleOptions
+from .restart import SaveClock, describe_mismatch, restart_count, run_fingerprint, trim_metrics
 
 
 def _log(msg: str) -> None:
@@ -60,6 +61,7 @@ class Job:
     meter: Any = None
     live_meter: Any = None  # --measure-memory on CPU: every live tensor of this stage
     started: float = field(default_factory=time.perf_counter)
+    save_clock: Optional[SaveClock] = None  # --save-interval-minutes
 
 
 def _gpt_spec(args):
@@ -88,12 +90,29 @@ def preflight(args):
         tokenizer = data.build_tokenizer(kind, args.tokenizer_model, vocab_size=vocab)
         if args.data_path is not None:
             data.check_indexed_dataset(args.data_path)
+        args.vocab_size = tokenizer.vocab_size  # NullTokenizer adds its end-of-document id
         if args.load:
-            checkpoint.find_checkpoint(args.load)
+            _check_checkpoint_matches(args)
     except ValueError as exc:  # CheckpointError is one too
         raise ConfigError(str(exc)) from None
-    args.vocab_size = tokenizer.vocab_size  # NullTokenizer adds its end-of-document id
     return tokenizer
+
+
+def _check_checkpoint_matches(args) -> None:
+    """The newest complete checkpoint under --load must come from a run like this one (same
+    parallel layout, schedule, accumulation factor and model shape): raises naming each flag
+    that differs. A missing or empty --load directory passes (the run starts from scratch)."""
+    from .arguments import ConfigError
+
+    path = checkpoint.find_checkpoint(args.load)
+    if path is None:
+        return
+    problems = describe_mismatch(checkpoint.read_extra(path).get("run"), run_fingerprint(args))
+    if problems:
+        raise ConfigError(
+            f"--load {args.load}: checkpoint {path} was written by a different run: "
+            f"{'; '.join(problems)}. Resume with the checkpoint's settings, or --save to a new "
+            "directory (resharding a checkpoint to another layout is not supported)")
 
 
 def _datasets(args, tokenizer):
@@ -149,36 +168,69 @@ def setup(args, opts: ScheduleOptions) -> Job:
     job = Job(args, opts, info, spec, model, optimizer, lr_scheduler, runtime,
               mcore_runtime.get_forward_backward_func(), datasets, reporter, uninstall=uninstall)
     if args.load:
-        state = checkpoint.load_checkpoint(args.load, model, optimizer, lr_scheduler)
-        job.iteration = state["iteration"]
-        job.consumed = int(state["extra"].get("consumed_samples", job.iteration * gbs))
-        if runtime is not None:  # weight versions count local steps since the start
-            runtime.resume_at(job.iteration, args.num_microbatches)
-        if reporter:
-            _log(f"> loaded checkpoint from {args.load} at iteration {job.iteration} "
-                 f"({job.consumed} samples consumed)")
+        _load(job)
+    restart = restart_count(os.environ)
+    if reporter and restart:
+        _log(f"> restart {restart} of this job (torchrun TORCHELASTIC_RESTART_COUNT={restart}, "
+             f"--max-restarts {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}): resumed from "
+             f"iteration {job.iteration}")
     job.train_data = _batches(job, datasets[0], job.consumed)
     job.forward_step = build.gpt_forward_step
     if args.measure_activation_memory:
         job.meter = SavedTensorMeter(p for chunk in model for p in chunk.parameters())
         job.forward_step = job.meter.wrap(build.gpt_forward_step)
+    resumed = job.iteration > 0 or restart > 0  # records after job.iteration are replayed
     if args.measure_memory and not torch.cuda.is_available():
         job.live_meter = LiveTensorMeter().start()
     if reporter and args.metrics_file:
+        if resumed:
+            _trim_metrics(args.metrics_file, job.iteration)
         job.metrics = open(args.metrics_file, "a")
     if reporter and args.tensorboard_dir:
-        job.tensorboard = _tensorboard(args.tensorboard_dir)
+        job.tensorboard = _tensorboard(args.tensorboard_dir,
+                                       purge_step=job.iteration + 1 if resumed else None)
+    if args.save_interval_minutes:
+        job.save_clock = SaveClock(args.save_interval_minutes * 60.0, job.iteration,
+                                   time.perf_counter())
     return job
 
 
-def _tensorboard(path: str):
+def _load(job: Job) -> None:
+    """Resume from the newest complete checkpoint under --load, or start from scratch (one line
+    says so) while there is none: Megatron-LM's ``--save DIR --load DIR`` from the first
+    launch, and what a restart by ``torchrun --max-restarts`` needs."""
+    args = job.args
+    if checkpoint.find_checkpoint(args.load) is None:
+        if job.reporter:
+            _log(f"> --load {args.load}: no checkpoint there yet; starting from scratch")
+        return
+    state = checkpoint.load_checkpoint(args.load, job.model, job.optimizer, job.lr_scheduler)
+    job.iteration = state["iteration"]
+    job.consumed = int(state["extra"].get("consumed_samples",
+                                          job.iteration * args.global_batch_size))
+    if job.runtime is not None:  # weight versions count local steps since the start
+        job.runtime.resume_at(job.iteration, args.num_microbatches)
+    if job.reporter:
+        _log(f"> loaded checkpoint from {args.load} at iteration {job.iteration} "
+             f"({job.consumed} samples consumed; {state['path']})")
+
+
+def _trim_metrics(path: str, iteration: int) -> None:
+    kept, dropped = trim_metrics(path, iteration)
+    if dropped:
+        _log(f"> --metrics-file {path}: dropped {dropped} records after iteration {iteration} "
+             f"(kept {kept}); the resumed run writes those iterations again, once")
+
+
+def _tensorboard(path: str, purge_step: Optional[int] = None):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         _log("> --tensorboard-dir: tensorboard is not installed (pip install tensorboard); "
              "scalars are not written")
         return None
-    return SummaryWriter(log_dir=path)
+    # purge_step: events of replayed steps (from before a restart) are discarded
+    return SummaryWriter(log_dir=path, purge_step=purge_step)
 
 
 def _stage_stats(job: Job) -> Optional[List[Optional[Dict]]]:
@@ -286,9 +338,32 @@ def save(job: Job) -> None:
                  f"{[row['skipped_steps'] for row in table]}")
     path = checkpoint.save_checkpoint(
         job.args.save, job.iteration, job.model, job.optimizer, job.lr_scheduler,
-        extra={"consumed_samples": job.consumed, "schedule": job.args.pipeline_schedule})
+        extra={"consumed_samples": job.consumed, "schedule": job.args.pipeline_schedule,
+               "run": run_fingerprint(job.args)})
+    if job.save_clock is not None:
+        job.save_clock.saved(time.perf_counter())
     if job.reporter:
         _log(f"> saved checkpoint at iteration {job.iteration} to {path}")
+
+
+def _save_is_due(job: Job) -> bool:
+    """--save-interval (iterations) or --save-interval-minutes (wall-clock time). The time
+    decision is global rank 0's, taken at check points every rank knows in advance (see
+    SaveClock), so the stages agree on the iteration with no collective in between."""
+    args = job.args
+    if not args.save or job.iteration >= args.train_iters:
+        return False
+    due = bool(args.save_interval and job.iteration % args.save_interval == 0)
+    clock = job.save_clock
+    if clock is not None and clock.is_check_point(job.iteration):
+        now = time.perf_counter()
+        by_time, next_check = mcore_runtime.take_rank0s(clock.propose(job.iteration, now))
+        clock.agree(job.iteration, next_check, now)
+        if by_time and not due and job.reporter:
+            _log(f"> saving at iteration {job.iteration}: --save-interval-minutes "
+                 f"{args.save_interval_minutes:g} passed since the last save")
+        due = due or by_time
+    return due
 
 
 def _log_iteration(job: Job, step: Dict, elapsed_ms: float) -> None:
@@ -350,8 +425,7 @@ def train(args, opts: ScheduleOptions) -> Dict:
         if args.eval_interval and job.iteration % args.eval_interval == 0:
             _write_metrics(job, {"iteration": job.iteration, "validation_loss": evaluate(job)})
             t_last = time.perf_counter()
-        if args.save and args.save_interval and job.iteration % args.save_interval == 0 \
-                and job.iteration < args.train_iters:
+        if _save_is_due(job):
             save(job)
             t_last = time.perf_counter()
     summary = finish(job)
@@ -371,24 +445,10 @@ def _memory_record(job: Job) -> Dict:
             "peak_activation_mb": activation, "peak_rss_mb": build.peak_rss_mb()}
 
 
-def weights_sha256(model: List) -> str:
-    """SHA-256 over this rank's parameters (name, dtype, raw bytes) in name order."""
-    h = hashlib.sha256()
-    for chunk in model:
-        for name, p in sorted(chunk.named_parameters(), key=lambda item: item[0]):
-            data = p.detach().cpu().contiguous().reshape(-1)
-            h.update(f"{name}:{data.dtype}".encode())
-            h.update(data.view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
 def finish(job: Job) -> Dict:
     args = job.args
     summary: Dict[str, Any] = {"schedule": args.pipeline_schedule, "losses": job.history,
                                "iteration": job.iteration}
-    if args.weights_digest:  # before the drain and the save; one entry per pipeline stage
-        summary["weights_sha256"] = mcore_runtime.gather_across_pipeline(
-            weights_sha256(job.model))
     if job.runtime is not None:
         dropped = job.runtime.drain()
         drift = _pipeline_table(job)
@@ -403,6 +463,9 @@ def finish(job: Job) -> Dict:
         evaluate(job)
     validation = job.last_eval[1]
     summary["validation_loss"] = validation
+    # one digest per pipeline stage (this rank's pipeline group: tensor and data rank fixed)
+    summary["weights_sha256"] = mcore_runtime.gather_across_pipeline(
+        checkpoint.weights_sha256(job.model))
     if args.save:
         save(job)
     memory = mcore_runtime.gather_across_pipeline(_memory_record(job))

@@ -38,16 +38,18 @@ def run_torchrun(
     timeout: float = 120,
     env: Optional[Dict[str, str]] = None,
     check: bool = True,
+    launcher_args: Sequence[str] = (),
 ) -> Tuple[int, str, str]:
     """Run ``torchrun --standalone --nproc-per-node nproc script args`` from the repo root.
 
-    ``--standalone`` picks a free rendezvous port, so launches never collide. Returns
+    ``--standalone`` picks a free rendezvous port, so launches never collide;
+    ``launcher_args`` go to torchrun itself (e.g. ``--max-restarts 2``). Returns
     ``(returncode, stdout, stderr)``. On a timeout the whole process group is killed and an
     AssertionError carrying the output is raised; so is one on a non-zero exit when ``check``.
     """
     script_path = script if os.path.isabs(script) else os.path.join(REPO, script)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", script_path, *map(str, args)]
+           f"--nproc-per-node={nproc}", *launcher_args, script_path, *map(str, args)]
     full_env = dict(os.environ)
     full_env["PYTHONPATH"] = os.pathsep.join(
         p for p in (REPO, full_env.get("PYTHONPATH", "")) if p)

@@ -3,7 +3,7 @@
 The README's claim, through the real entry point (pretrain_gpt_paci.py under torchrun, mock
 data, dropout on): a run that evaluates every 2 iterations equals the same run without
 evaluation in every training loss (as float hex) and in every stage's final weights (the
-SHA-256 that --weights-digest adds to PACI_SUMMARY). Dropout makes the check cover the RNG
+SHA-256 per stage in PACI_SUMMARY). Dropout makes the check cover the RNG
 stream too: a forward run twice (a drain replays in-flight micro-batches) or a dropout mask
 drawn during evaluation would shift every later mask. A run that drains before each evaluation
 must differ, which shows the comparison can fail.
@@ -24,7 +24,7 @@ FLAGS = ["--pipeline-schedule", "paci", "--untie-embeddings-and-output-weights",
          "--paci-accumulation-factor", "2", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "16", "--lr", "3e-3", "--lr-decay-style", "constant",
          "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--eval-iters", "2",
-         "--weights-digest", "--distributed-timeout-minutes", "2"]
+         "--distributed-timeout-minutes", "2"]
 EVAL = ["--eval-interval", "2"]
 
 

@@ -15,6 +15,8 @@ ACCEPTED = {
     ("--hidden-dropout", "0"), ("--attention-dropout", "0"), ("--clip-grad", "0"),
     ("--lr-warmup-iters", "0"), ("--paci-sync-iters", "0"), ("--adam-beta1", "0"), ("--adam-beta2", "0"),
     ("--save", "abc"), ("--save", "0"), ("--save", "-1"), ("--save", "1e400"),
+    # a missing --load directory starts from scratch (Megatron-LM's --save DIR --load DIR)
+    ("--load", "abc"), ("--load", "0"), ("--load", "-1"), ("--load", "1e400"),
     ("--metrics-file", "abc"), ("--metrics-file", "0"), ("--metrics-file", "-1"),
     ("--metrics-file", "1e400"),
     ("--tensorboard-dir", "abc"), ("--tensorboard-dir", "0"), ("--tensorboard-dir", "-1"),
@@ -73,6 +75,7 @@ def test_bad_values_are_refused_with_the_flag_named(flag, capsys):
      "virtual"),
     (["--tensor-model-parallel-size", "3"], ["--tensor-model-parallel-size"], "3 must divide"),
     (["--save-interval", "5"], ["--save-interval", "--save"], "needs"),
+    (["--save-interval-minutes", "5"], ["--save-interval-minutes", "--save"], "needs"),
     (["--recompute-granularity", "full"], ["--recompute-granularity", "--recompute-method"],
      "needs"),
     (["--mock-data", "--data-path", "x"], ["--mock-data", "--data-path"], "exclusive"),

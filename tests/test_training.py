@@ -110,7 +110,7 @@ def test_resume_is_exact(schedule, tmp_path):
     ("no_tokenizer", "--tokenizer-model"),
     ("batch", "--global-batch-size 6 is not divisible"),
     ("schedule", "--pipeline-schedule 'zb' is unknown"),
-    ("empty_load", "--load"),
+    ("partial_load", "--load"),
     ("corrupt_load", "--load"),
 ])
 def test_bad_input_fails_before_training(case, match, tmp_path):
@@ -128,8 +128,8 @@ def test_bad_input_fails_before_training(case, match, tmp_path):
         flags = ["--global-batch-size", "6", "--micro-batch-size", "4"]
     elif case == "schedule":
         flags = ["--pipeline-schedule", "zb"]
-    elif case == "empty_load":
-        (tmp_path / "ckpt").mkdir()
+    elif case == "partial_load":  # only a save cut short (an empty --load starts afresh)
+        (tmp_path / "ckpt" / "iter_0000002.tmp").mkdir(parents=True)
         flags = ["--load", str(tmp_path / "ckpt")]
     elif case == "corrupt_load":
         (tmp_path / "ckpt" / "iter_0000004").mkdir(parents=True)
@@ -149,7 +149,7 @@ def test_load_refuses_partial_checkpoint(tmp_path):
 
     root = tmp_path / "ckpt"
     (root / "iter_0000002.tmp").mkdir(parents=True)  # killed while saving, never renamed
-    with pytest.raises(CheckpointError, match="no checkpoint there"):
+    with pytest.raises(CheckpointError, match="no complete checkpoint there"):
         find_checkpoint(str(root))
     shutil.rmtree(root)
 

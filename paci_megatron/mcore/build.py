@@ -95,6 +95,7 @@ def init_distributed(
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
+            store=_restart_safe_store(world_size, timedelta(seconds=timeout_s)),
         )
     if not cuda:
         apply_cpu_patches()
@@ -109,6 +110,26 @@ def init_distributed(
     )
     set_random_seed(seed)
     return stage_info()
+
+
+def _restart_safe_store(world_size: int, timeout: timedelta):
+    """The store for ``init_process_group`` under torchrun: None (torch's own) unless the
+    workers share the agent's store, as torchrun's c10d rendezvous makes them do by default.
+
+    That store outlives the workers, so after a restart (``--max-restarts``) the new workers
+    would read the keys the dead ones wrote (gloo's peer addresses, NCCL's unique id) and fail
+    to connect ("Gloo connectFullMesh failed ... Connection refused"; pytorch issue 135712).
+    Every restart gets keys of its own here, under TORCHELASTIC_RESTART_COUNT, which all
+    workers share when one agent runs them (one node). Across nodes the agents count restarts
+    apart, so a multi-node job that restarts should set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    for torchrun (each restart then gets a fresh store, and this returns None)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = torch.distributed.TCPStore(
+        host_name=os.environ["MASTER_ADDR"], port=int(os.environ["MASTER_PORT"]),
+        world_size=world_size, is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return torch.distributed.PrefixStore(f"paci_restart_{attempt}/", store)
 
 
 def set_random_seed(seed: int) -> None:

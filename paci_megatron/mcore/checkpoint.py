@@ -9,6 +9,7 @@ activations), so a resumed run continues exactly as one that drained at that ite
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import shutil
@@ -18,6 +19,8 @@ import numpy as np
 import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+from ..restart import exit_with_parent
 
 LATEST = "latest_checkpointed_iteration.txt"
 COMPLETE = "paci_complete"
@@ -84,6 +87,25 @@ def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
+def _writer_queue_dies_with_this_process() -> None:
+    """torch_dist saving keeps, for the life of the process, a ``multiprocessing`` Manager
+    (spawned; it serves the queue of write results). A worker killed by SIGKILL would leave
+    that Manager running, with the worker's memory image and its output pipes, after torchrun
+    restarted the job. Create the queue here instead, in a Manager that dies with its worker;
+    a no-op where Megatron-Core keeps the queue elsewhere."""
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", True) is not None \
+            or not hasattr(filesystem_async, "_get_write_results_queue"):
+        return
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer=exit_with_parent, initargs=(os.getpid(),))
+    filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
+
+
 def save_checkpoint(root: str, iteration: int, model, optimizer, lr_scheduler,
                     extra: Optional[Dict] = None) -> str:
     final = iteration_dir(root, iteration)
@@ -98,6 +120,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, lr_scheduler,
     state["lr_scheduler"] = lr_scheduler.state_dict()
     state["iteration"] = iteration
     state["extra"] = dict(extra or {})
+    _writer_queue_dies_with_this_process()
     dist_checkpointing.save(state, tmp)
     _barrier()
     if rank0:
@@ -112,14 +135,28 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, lr_scheduler,
     return final
 
 
-def find_checkpoint(root: str) -> str:
-    """The directory --load points to, checked for completeness; raises CheckpointError."""
-    if not os.path.isdir(root):
-        raise CheckpointError(f"--load {root}: no such directory")
+def _holds_checkpoint_files(root: str) -> bool:
+    return any(name == LATEST or name.startswith("iter_") for name in os.listdir(root))
+
+
+def find_checkpoint(root: str) -> Optional[str]:
+    """The newest complete checkpoint under --load ``root``; None while ``root`` is missing or
+    holds no checkpoint at all (Megatron-LM's ``--save DIR --load DIR`` idiom then starts from
+    scratch). Raises CheckpointError when ``root`` holds only partial or corrupt ones.
+
+    The newest complete one is the one ``latest_checkpointed_iteration.txt`` names: the file is
+    replaced only after the checkpoint's ``iter_N.tmp`` directory was complete and renamed, so
+    an ``iter_N.tmp`` (a save that was cut short) is never taken."""
+    if not os.path.isdir(root) or not _holds_checkpoint_files(root):
+        return None
     latest = os.path.join(root, LATEST)
     if not os.path.exists(latest):
-        raise CheckpointError(f"--load {root}: no checkpoint there ({LATEST} is missing); "
-                              "point --load at a directory written by --save")
+        partial = sorted(n for n in os.listdir(root) if n.startswith("iter_"))
+        raise CheckpointError(
+            f"--load {root}: no complete checkpoint there ({LATEST} is missing; found only "
+            f"{', '.join(partial[:3])}{' ...' if len(partial) > 3 else ''}, from a save that was "
+            "cut short?); remove them to start from scratch, or point --load at a directory "
+            "written by --save")
     text = open(latest).read().strip()
     if not text.isdigit():
         raise CheckpointError(f"--load {root}: {LATEST} is corrupt ({text[:40]!r})")
@@ -131,9 +168,31 @@ def find_checkpoint(root: str) -> str:
     return path
 
 
+def read_extra(path: str) -> Dict:
+    """The ``extra`` dict a checkpoint was saved with (no process group needed)."""
+    try:
+        common = dist_checkpointing.load_common_state_dict(path)
+    except Exception as exc:  # torch_dist raises many kinds; the user needs the path
+        raise CheckpointError(f"cannot read {path}: {type(exc).__name__}: {exc}") from exc
+    return dict(common.get("extra", {}))
+
+
+def weights_sha256(model: List[torch.nn.Module]) -> str:
+    """SHA-256 over this rank's parameters as float32 bytes, chunk by chunk in sorted name
+    order: equal digests mean bit-identical weights."""
+    digest = hashlib.sha256()
+    for chunk in model:
+        for _, param in sorted(chunk.named_parameters(), key=lambda item: item[0]):
+            digest.update(param.detach().float().contiguous().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
 def load_checkpoint(root: str, model, optimizer, lr_scheduler) -> Dict:
-    """Restores everything in place; returns {'iteration': ..., 'extra': {...}}."""
+    """Restores everything in place from the newest complete checkpoint under ``root`` (which
+    must hold one); returns {'iteration': ..., 'extra': {...}, 'path': ...}."""
     path = find_checkpoint(root)
+    if path is None:
+        raise CheckpointError(f"--load {root}: no checkpoint there")
     template = _sharded_state(model, optimizer, is_loading=True)
     try:
         common = dist_checkpointing.load_common_state_dict(path)
@@ -146,4 +205,5 @@ def load_checkpoint(root: str, model, optimizer, lr_scheduler) -> Dict:
     optimizer.load_state_dict(loaded["optimizer"])
     lr_scheduler.load_state_dict(common["lr_scheduler"])
     _set_rng_state(loaded["rng_state"])
-    return {"iteration": int(common["iteration"]), "extra": dict(common.get("extra", {}))}
+    return {"iteration": int(common["iteration"]), "extra": dict(common.get("extra", {})),
+            "path": path}

@@ -19,7 +19,6 @@ the multi-process run. Each process then plays every pipeline stage of its coord
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
@@ -32,6 +31,7 @@ from ..autograd_versions import keep_version_counters
 from ..emulate import run_global
 from ..schedule import Action, Op, StreamPlan, drift_bound, plan_stream
 from . import build
+from .checkpoint import weights_sha256
 
 
 class _PipelineGroupView:
@@ -69,16 +69,6 @@ def as_pipeline_stage(stage: int, num_stages: int):
     finally:
         ps._MPU_PIPELINE_MODEL_PARALLEL_RANK, ps._MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = saved[:2]
         ps.get_pipeline_model_parallel_group = saved[2]
-
-
-def weights_sha256(model_chunks) -> str:
-    """SHA-256 over every parameter (sorted by name, as float32 bytes) of these chunks."""
-    digest = hashlib.sha256()
-    for chunk in model_chunks:
-        for name, param in sorted(chunk.named_parameters()):
-            digest.update(name.encode())
-            digest.update(param.detach().float().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
 
 def _rng_state() -> tuple:

@@ -531,3 +531,11 @@ def gather_across_pipeline(obj: Any) -> List[Any]:
     out: List[Any] = [None] * torch.distributed.get_world_size(group)
     torch.distributed.all_gather_object(out, obj, group=group)
     return out
+
+
+def take_rank0s(obj: Any) -> Any:
+    """Every rank returns global rank 0's ``obj`` (one small broadcast over the whole job: a
+    sync point, so callers use it at agreed iterations only)."""
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]

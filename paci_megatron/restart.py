@@ -1,0 +1,152 @@
+"""Surviving a lost rank: pure helpers for automatic restarts (no torch, no Megatron).
+
+With ``torchrun --max-restarts N ... --save DIR --load DIR`` a job that loses a rank is restarted
+whole by torchrun; every worker then loads the newest complete checkpoint in DIR (or starts from
+scratch while DIR holds none). What is here: which restart this is, what a checkpoint must agree
+on with the run that loads it, the metrics file after a resume (each iteration recorded once),
+and when a time-based save (``--save-interval-minutes``) is due.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, List, Mapping, Optional, Tuple
+
+# flags a checkpoint must share with the run that loads it: (attribute, flag as the user types it)
+RUN_FLAGS: Tuple[Tuple[str, str], ...] = (
+    ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
+    ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+    ("virtual_pipeline_model_parallel_size", "--num-layers-per-virtual-pipeline-stage (chunks)"),
+    ("pipeline_schedule", "--pipeline-schedule"),
+    ("paci_accumulation_factor", "--paci-accumulation-factor"),
+    ("num_layers", "--num-layers"),
+    ("hidden_size", "--hidden-size"),
+    ("num_attention_heads", "--num-attention-heads"),
+    ("ffn_hidden_size", "--ffn-hidden-size"),
+    ("seq_length", "--seq-length"),
+    ("max_position_embeddings", "--max-position-embeddings"),
+    ("vocab_size", "--vocab-size"),
+    ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
+    ("normalization", "--normalization"),
+)
+
+
+def restart_count(environ: Mapping[str, str]) -> int:
+    """How many times torchrun has restarted this job's workers (0: the first launch)."""
+    text = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return int(text) if text.isdigit() else 0
+
+
+def run_fingerprint(args) -> Dict:
+    """What a checkpoint records about the run that wrote it (see RUN_FLAGS)."""
+    return {attr: getattr(args, attr, None) for attr, _ in RUN_FLAGS}
+
+
+def describe_mismatch(saved: Optional[Mapping], current: Mapping) -> List[str]:
+    """One line per flag on which a checkpoint and this run differ; [] when they agree.
+
+    A checkpoint written before fingerprints existed (``saved`` None) is not checked. The
+    accumulation factor matters only when both runs use PACI (stock schedules ignore it)."""
+    if not saved:
+        return []
+    both_paci = saved.get("pipeline_schedule") == current.get("pipeline_schedule") == "paci"
+    out = []
+    for attr, flag in RUN_FLAGS:
+        if attr not in saved or attr not in current:
+            continue
+        if attr == "paci_accumulation_factor" and not both_paci:
+            continue
+        if saved[attr] != current[attr]:
+            out.append(f"{flag}: checkpoint {saved[attr]}, this run {current[attr]}")
+    return out
+
+
+def trim_metrics(path: str, iteration: int) -> Tuple[int, int]:
+    """Keep only the records of iterations <= ``iteration`` in the metrics file at ``path``
+    (the resumed run writes the later ones again, so each iteration is recorded once).
+
+    Rewritten through a temporary file and ``os.replace``, so a kill leaves the old or the new
+    file, never half of one. A line cut short by a kill is dropped. Returns (kept, dropped)."""
+    if not os.path.exists(path):
+        return 0, 0
+    kept, dropped = [], 0
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                dropped += 1
+                continue
+            if int(record.get("iteration", 0)) <= iteration:
+                kept.append(line if line.endswith("\n") else line + "\n")
+            else:
+                dropped += 1
+    if dropped:
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
+    return len(kept), dropped
+
+
+class SaveClock:
+    """When a time-based save is due, without a collective at every iteration.
+
+    Every rank holds the same clock and calls :meth:`is_check_point` at each iteration; it is
+    True at the same iterations on every rank because they only change through
+    :meth:`agree`, which every rank calls with the same values (those of global rank 0, passed
+    along by one small broadcast). At a check point rank 0 proposes with :meth:`propose`: save
+    now when ``interval_s`` has passed since the last save, and check again after about
+    ``interval_s / CHECKS_PER_INTERVAL`` of measured iteration time (at least one iteration).
+    So the work lost to a crash stays below ``interval_s * (1 + 1/CHECKS_PER_INTERVAL)`` plus
+    one iteration, whatever the iteration time, at about CHECKS_PER_INTERVAL broadcasts per
+    interval."""
+
+    CHECKS_PER_INTERVAL = 10
+
+    def __init__(self, interval_s: float, iteration: int, now: float):
+        if not interval_s > 0:
+            raise ValueError(f"save interval must be > 0 s, got {interval_s}")
+        self.interval_s = interval_s
+        self.last_save = now
+        self.last_check = (iteration, now)
+        self.next_check = iteration + 1  # the first check measures one iteration
+
+    def is_check_point(self, iteration: int) -> bool:
+        return iteration >= self.next_check
+
+    def propose(self, iteration: int, now: float) -> Tuple[bool, int]:
+        """(save now?, iteration of the next check), from this rank's clock."""
+        done = max(1, iteration - self.last_check[0])
+        per_iteration = max(now - self.last_check[1], 1e-9) / done
+        step = int(self.interval_s / self.CHECKS_PER_INTERVAL / per_iteration)
+        return now - self.last_save >= self.interval_s, iteration + max(1, step)
+
+    def agree(self, iteration: int, next_check: int, now: float) -> None:
+        if next_check <= iteration:
+            raise ValueError(f"next check {next_check} is not after iteration {iteration}")
+        self.last_check = (iteration, now)
+        self.next_check = next_check
+
+    def saved(self, now: float) -> None:
+        """Any save (by time, by --save-interval) restarts the interval."""
+        self.last_save = now
+
+
+def exit_with_parent(parent_pid: int) -> None:
+    """Run first in a helper process: make it die when ``parent_pid`` (its parent) dies, even
+    by SIGKILL (Linux ``PR_SET_PDEATHSIG``; elsewhere a no-op). Without it a helper of a killed
+    worker outlives the restart, holding memory and the launcher's output pipes."""
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the parent died before the line above
+        os._exit(0)

@@ -1,0 +1,244 @@
+"""Surviving a lost rank: ``torchrun --max-restarts N ... --save DIR --load DIR``.
+
+A restarted job resumes from the newest complete checkpoint and ends exactly where an
+uninterrupted run ends (weights per stage and every iteration's loss, bit for bit on CPU); the
+metrics file records each iteration once; a checkpoint of another layout is refused by name;
+time-based saves happen at an iteration every stage agrees on."""
+
+import json
+import os
+
+import pytest
+
+from launch import run_torchrun
+
+from paci_megatron.restart import SaveClock, describe_mismatch, run_fingerprint, trim_metrics
+
+# P=4 under PACI, a=2 (two local steps per stage and iteration), dropout on: RNG state matters
+P4 = ["--pipeline-model-parallel-size", "4", "--num-layers", "4", "--hidden-size", "32",
+      "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
+      "--global-batch-size", "8", "--paci-accumulation-factor", "2",
+      "--untie-embeddings-and-output-weights", "--hidden-dropout", "0.1", "--lr", "3e-3",
+      "--train-iters", "8", "--distributed-timeout-minutes", "1"]
+# timing, and max_drift: the largest drift each stage saw since its process started (after a
+# restart it counts again from the resume, where the pipeline refills after the drain)
+NOT_REPLAYED = {"wall_s", "elapsed_ms", "tokens_per_sec", "peak_rss_mb", "peak_activation_mb",
+                "max_drift"}
+
+
+def _metrics(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _summary(stdout):
+    lines = [l for l in stdout.splitlines() if l.startswith("PACI_SUMMARY ")]
+    assert len(lines) == 1, stdout[-3000:]
+    return json.loads(lines[0][len("PACI_SUMMARY "):])
+
+
+def _stamp(stdout, name):
+    return [float(l.split()[1]) for l in stdout.splitlines() if l.startswith(name + " ")]
+
+
+def _replayable(records):
+    return [{k: v for k, v in r.items() if k not in NOT_REPLAYED} for r in records]
+
+
+def _job(tmp_path, name, script="pretrain_gpt_paci.py", fault=None, timeout=400):
+    """One launch with --save DIR --load DIR (DIR missing at first); with ``fault`` under
+    torchrun --max-restarts 2 and tests/workers/restart_job.py injecting it."""
+    ckpt, metrics = tmp_path / name, tmp_path / f"{name}.jsonl"
+    env = {"PACI_TEST_FAULT": fault} if fault else None
+    _, out, err = run_torchrun(
+        script, P4 + ["--save", str(ckpt), "--load", str(ckpt), "--save-interval", "3",
+                      "--metrics-file", str(metrics)],
+        nproc=4, timeout=timeout, env=env,
+        launcher_args=["--max-restarts", "2"] if fault else ())
+    return out, err, _metrics(metrics), ckpt
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return _job(tmp_path_factory.mktemp("uninterrupted"), "run")
+
+
+def _assert_same_run(restarted, uninterrupted):
+    out, _, records, _ = restarted
+    base_out, _, base_records, _ = uninterrupted
+    assert _summary(out)["weights_sha256"] == _summary(base_out)["weights_sha256"]
+    assert len(_summary(out)["weights_sha256"]) == 4  # one digest per stage
+    iterations = [r["iteration"] for r in records if "lm_loss" in r]
+    assert iterations == list(range(1, 9)), iterations  # each iteration once, in order
+    # every record equal (losses, learning rate, grad norm, data position of every iteration;
+    # validation and final records), timing and max_drift aside
+    assert _replayable(records) == _replayable(base_records)
+    assert len(records) == len(base_records) == 9  # 8 iterations and the final record
+
+
+@pytest.mark.dist
+def test_first_launch_with_load_of_a_missing_dir_starts_from_scratch(uninterrupted):
+    out, _, records, ckpt = uninterrupted
+    assert f"> --load {ckpt}: no checkpoint there yet; starting from scratch" in out
+    assert " iteration        1/       8" in out
+    assert sorted(os.listdir(ckpt)) == ["iter_0000003", "iter_0000006", "iter_0000008",
+                                       "latest_checkpointed_iteration.txt"]
+
+
+@pytest.mark.dist
+def test_killed_rank_restarts_and_ends_like_an_uninterrupted_run(uninterrupted, tmp_path):
+    """Rank 2 (stage 2) is SIGKILLed as iteration 5 starts (after the save at 3; the last
+    stage has logged iteration 4 by then): torchrun restarts all 4 workers, they resume from
+    iteration 3 and finish with exit 0."""
+    run = _job(tmp_path, "run", script="tests/workers/restart_job.py",
+               fault="before_iteration:2:5")
+    out, err, _, ckpt = run
+    assert len(_stamp(out, "PACI_TEST_KILLED")) == 1
+    assert "(exitcode: -9) local_rank: 2" in out + err  # torchrun saw the SIGKILL
+    assert "> restart 1 of this job (torchrun TORCHELASTIC_RESTART_COUNT=1, --max-restarts 2):" \
+           " resumed from iteration 3" in out
+    assert f"> loaded checkpoint from {ckpt} at iteration 3 " in out
+    assert "dropped 1 records after iteration 3" in out  # iteration 4, logged before the kill
+    killed, = _stamp(out, "PACI_TEST_KILLED")
+    first, = _stamp(out, "PACI_TEST_FIRST_ITERATION")
+    print(f"restart time (SIGKILL to the first iteration after the resume): {first - killed:.1f}s")
+    _assert_same_run(run, uninterrupted)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_kill_during_a_save_resumes_from_the_previous_checkpoint(uninterrupted, tmp_path):
+    """Rank 1 dies inside the save of iteration 6 (iter_0000006.tmp exists, incomplete): the
+    restart takes the complete checkpoint of iteration 3, never the .tmp."""
+    run = _job(tmp_path, "run", script="tests/workers/restart_job.py",
+               fault="during_save:1:6")
+    out, _, _, ckpt = run
+    assert len(_stamp(out, "PACI_TEST_KILLED")) == 1
+    assert "> saved checkpoint at iteration 6" in out  # by the restarted job, once
+    assert out.count("> saved checkpoint at iteration 6") == 1
+    assert "resumed from iteration 3" in out
+    assert f"> loaded checkpoint from {ckpt} at iteration 3 " in out
+    _assert_same_run(run, uninterrupted)
+
+
+def _args(flags, world_size):
+    from paci_megatron.arguments import parse_and_validate
+
+    args, _ = parse_and_validate(flags, world_size=world_size)
+    return args
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("change,world,message", [
+    (["--paci-accumulation-factor", "4"], 4,
+     "--paci-accumulation-factor: checkpoint 2, this run 4"),
+    (["--pipeline-model-parallel-size", "2"], 2,
+     "--pipeline-model-parallel-size: checkpoint 4, this run 2"),
+    (["--hidden-size", "64"], 4, "--hidden-size: checkpoint 32, this run 64"),
+    (["--pipeline-schedule", "1f1b"], 4, "--pipeline-schedule: checkpoint paci, this run 1f1b"),
+])
+def test_checkpoint_of_another_run_is_refused_naming_what_differs(uninterrupted, change, world,
+                                                                  message):
+    """The check the entry point runs before any process group (training.preflight)."""
+    from paci_megatron.arguments import ConfigError
+    from paci_megatron.training import preflight
+
+    ckpt = uninterrupted[3]
+    preflight(_args(P4 + ["--load", str(ckpt)], 4))  # the same run: accepted
+    with pytest.raises(ConfigError, match="was written by a different run") as error:
+        preflight(_args(P4 + ["--load", str(ckpt)] + change, world))
+    assert message in str(error.value)
+
+
+@pytest.mark.dist
+@pytest.mark.slow  # the check itself is tested above, in process
+def test_checkpoint_of_another_pipeline_size_stops_the_entry_point(uninterrupted):
+    code, out, err = run_torchrun(
+        "pretrain_gpt_paci.py", P4 + ["--pipeline-model-parallel-size", "2",
+                                      "--load", str(uninterrupted[3])],
+        nproc=2, timeout=180, check=False)
+    assert code != 0
+    assert "--pipeline-model-parallel-size: checkpoint 4, this run 2" in err
+    assert " iteration " not in out and "[paci] rank" not in out  # stopped before training
+
+
+@pytest.mark.dist
+def test_time_based_saves_happen_where_every_stage_agrees(tmp_path):
+    """--save-interval-minutes 0.002 (0.12 s) with rank 1's clock running 5 times too fast:
+    rank 0 decides at check points every rank knows in advance, so both save at the same
+    iterations; a save the stages did not agree on would deadlock (and time out)."""
+    ckpt = tmp_path / "ckpt"
+    _, out, _ = run_torchrun("tests/workers/restart_job.py", [
+        "--untie-embeddings-and-output-weights", "--num-layers", "2", "--hidden-size", "32",
+        "--seq-length", "16", "--train-iters", "16", "--save", str(ckpt),
+        "--save-interval-minutes", "0.002", "--distributed-timeout-minutes", "0.5"],
+        nproc=2, timeout=150, env={"PACI_TEST_FAULT": "fast_clock:1:5"})
+    timed = [l for l in out.splitlines() if "--save-interval-minutes 0.002 passed" in l]
+    saved = [l for l in out.splitlines() if l.startswith("> saved checkpoint at iteration")]
+    assert timed and len(saved) == len(timed) + 1  # + the final save at 16
+    saved_dirs = sorted(p for p in os.listdir(ckpt) if p.startswith("iter_"))
+    assert len(saved_dirs) == len(saved) and not any(p.endswith(".tmp") for p in saved_dirs)
+
+
+# --- pure pieces --------------------------------------------------------------------------
+
+def test_load_of_a_missing_or_empty_dir_finds_nothing_but_partial_ones_are_refused(tmp_path):
+    from paci_megatron.mcore.checkpoint import CheckpointError, find_checkpoint
+
+    assert find_checkpoint(str(tmp_path / "missing")) is None
+    (tmp_path / "empty").mkdir()
+    assert find_checkpoint(str(tmp_path / "empty")) is None
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("not a checkpoint")
+    assert find_checkpoint(str(tmp_path / "other")) is None
+    (tmp_path / "partial" / "iter_0000002.tmp").mkdir(parents=True)  # a first save cut short
+    with pytest.raises(CheckpointError, match="no complete checkpoint there .*iter_0000002.tmp"):
+        find_checkpoint(str(tmp_path / "partial"))
+
+
+def test_describe_mismatch_names_each_flag():
+    from paci_megatron.arguments import parse_and_validate
+
+    saved = run_fingerprint(parse_and_validate(P4, world_size=4)[0])
+    same = dict(saved)
+    assert describe_mismatch(saved, same) == []
+    assert describe_mismatch(None, same) == []  # a checkpoint from before fingerprints
+    other = dict(saved, pipeline_model_parallel_size=2, num_layers=8)
+    assert describe_mismatch(saved, other) == [
+        "--pipeline-model-parallel-size: checkpoint 4, this run 2",
+        "--num-layers: checkpoint 4, this run 8"]
+    # the accumulation factor only matters when both runs are PACI
+    stock = dict(saved, pipeline_schedule="1f1b", paci_accumulation_factor=4)
+    assert describe_mismatch(saved, stock) == ["--pipeline-schedule: checkpoint paci, this run 1f1b"]
+
+
+def test_trim_metrics_keeps_each_iteration_once(tmp_path):
+    path = tmp_path / "m.jsonl"
+    lines = [{"iteration": i, "lm_loss": i / 10} for i in range(1, 6)]
+    lines.insert(3, {"iteration": 3, "validation_loss": 1.0})
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"iteration": 6, "lm')
+    assert trim_metrics(str(path), 3) == (4, 3)  # 4 and 5 dropped, and the line cut short
+    assert [r["iteration"] for r in _metrics(path)] == [1, 2, 3, 3]
+    assert trim_metrics(str(path), 3) == (4, 0)
+    assert trim_metrics(str(tmp_path / "absent.jsonl"), 3) == (0, 0)
+
+
+def test_save_clock_checks_about_ten_times_per_interval_whatever_the_iteration_time():
+    for per_iteration in (0.01, 1.0, 100.0, 1000.0):
+        clock, now, saves, checks = SaveClock(600.0, 0, 0.0), 0.0, [], 0
+        for iteration in range(1, max(int(3000 / per_iteration), 10) + 1):
+            now += per_iteration
+            if clock.is_check_point(iteration):
+                checks += 1
+                due, next_check = clock.propose(iteration, now)
+                clock.agree(iteration, next_check, now)
+                if due:
+                    clock.saved(now)
+                    saves.append(now)
+        gaps = [b - a for a, b in zip([0.0] + saves, saves)]
+        assert saves, per_iteration
+        # never more than the interval + a tenth of it + one iteration of lost work
+        assert max(gaps) <= 600.0 * 1.1 + per_iteration, (per_iteration, max(gaps))
+        assert min(gaps) >= 600.0  # never early
+        expected = now / 60.0 + 1  # ~10 checks per 600 s interval
+        assert checks <= max(expected * 1.2, 1), (per_iteration, checks, expected)
