@@ -166,18 +166,17 @@ def make_batches(cfg: Config, count: int) -> List[dict]:
 def alternate(arms: Dict[str, Arm], cfg: Config) -> Dict[str, Dict[str, List[float]]]:
     """R runs of K iterations per arm. Within a run the arms alternate iteration by iteration
     (ABAB..., the first arm flipping every run), so both see the same moments of the shared
-    machine's load. Returns {clock: {arm: [mean seconds per iteration of each run]}}."""
+    machine's load. Returns {clock: {arm: [[seconds of each iteration] of each run]}}."""
     times = {clock: {name: [] for name in arms} for clock in CLOCKS}
     for r in range(cfg.runs):
         order = ARMS if r % 2 == 0 else ARMS[::-1]
-        total = {clock: {name: 0.0 for name in arms} for clock in CLOCKS}
+        for clock in CLOCKS:
+            for name in arms:
+                times[clock][name].append([])
         for _ in range(cfg.iters):
             for name in order:
                 for clock, t in arms[name].timed().items():
-                    total[clock][name] += t
-        for clock in CLOCKS:
-            for name in arms:
-                times[clock][name].append(total[clock][name] / cfg.iters)
+                    times[clock][name][-1].append(t)
     return times
 
 
@@ -204,9 +203,15 @@ def profile(arm: Arm, iters: int) -> Dict[str, float]:
     return _rows_from_stats(pstats.Stats(prof), iters)
 
 
-def summarize(times: Dict[str, List[float]], cfg: Config) -> dict:
-    """One clock's figures; ratios are paired by run (the same moments' load)."""
+def summarize(iteration_times: Dict[str, List[List[float]]], cfg: Config) -> dict:
+    """One clock's figures. Ratios are paired (the same moments' load): per run (mean of its K
+    iterations) and per iteration (each PACI iteration with the stock one next to it; the
+    median of these shrugs off another job's bursts best)."""
+    times = {name: [statistics.fmean(run) for run in runs]
+             for name, runs in iteration_times.items()}
     ratios = [p / s for p, s in zip(times["paci"], times["stock"])]
+    pairs = [p / s for run_p, run_s in zip(iteration_times["paci"], iteration_times["stock"])
+             for p, s in zip(run_p, run_s)]
     med = {name: statistics.median(ts) for name, ts in times.items()}
     return {
         "s_per_iter": med,
@@ -218,6 +223,9 @@ def summarize(times: Dict[str, List[float]], cfg: Config) -> dict:
         "ratio_max": max(ratios),
         "ratio_of_medians": med["paci"] / med["stock"],
         "overhead_pct": 100 * (statistics.median(ratios) - 1),
+        "iteration_ratio_median": statistics.median(pairs),
+        "iteration_ratio_quartiles": statistics.quantiles(pairs, n=4) if len(pairs) > 1
+        else [pairs[0]] * 3,
         "runs": times,
     }
 
@@ -267,7 +275,9 @@ def format_report(rep: dict) -> str:
         lines.append(
             f"{clock}: PACI / stock per run: median {c['ratio_median']:.4f} (min "
             f"{c['ratio_min']:.4f}, max {c['ratio_max']:.4f}); ratio of medians "
-            f"{c['ratio_of_medians']:.4f}; overhead {c['overhead_pct']:+.2f}%")
+            f"{c['ratio_of_medians']:.4f}; overhead {c['overhead_pct']:+.2f}%; per iteration "
+            f"pair: median {c['iteration_ratio_median']:.4f} (quartiles "
+            f"{c['iteration_ratio_quartiles'][0]:.4f}-{c['iteration_ratio_quartiles'][2]:.4f})")
     lines.append(f"same losses bit for bit over {rep['iterations']} iterations: "
                  f"{rep['same_losses']}")
     prof = rep["profile_ms_per_iter"]
