@@ -15,7 +15,9 @@ shared machine's load hits both alike. Reported: seconds per iteration (median o
 spread), per micro-batch, and the per-run ratio PACI / stock (median, min, max). A
 ``cProfile`` pass over a few more iterations of each arm says where the time goes
 (cumulative milliseconds per iteration of the runtime's parts: executor dispatch, drift
-bookkeeping, finite check, version counters, optimizer and LR step, zero-grad, ...).
+bookkeeping, finite check, version counters, optimizer and LR step, zero-grad, ...). On CUDA
+that profile is host time (kernel launches, and the waits of host syncs); the timed runs
+synchronise the device before reading the clock.
 """
 
 from __future__ import annotations
