@@ -137,7 +137,10 @@ class HostStaging:
             if work is not None and hasattr(work, "wait"):
                 work.wait()  # async_op passed positionally
             with torch.no_grad():
-                for real, host in pairs:
+                # outputs come before inputs in these signatures, and Megatron's input may be
+                # a view of its output (a shard of the bucket): copying back in reverse order
+                # lets the output's values land last
+                for real, host in reversed(pairs):
                     real.copy_(host)
             self.counts[name] += 1
             return _Finished() if asynchronous else None

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from launch import run_torchrun
+from launch import parse_results, run_torchrun
 
 pytestmark = pytest.mark.dist
 
@@ -53,3 +53,21 @@ def test_every_message_and_collective_went_through_host_copies(runs):
     # the sync iterations' grad norm (and the end's gathers) are collectives over both stages
     for counts in (first, last):
         assert counts.get("all_reduce", 0) >= 2, counts
+
+
+def test_collectives_with_shard_views_and_keyword_p2p():
+    """Megatron's reduce-scatter / all-gather pass a shard view of the output as the input;
+    Megatron's p2p passes ``tensor=`` by keyword."""
+    _, out, _ = run_torchrun("tests/workers/one_gpu_collectives.py", nproc=2, timeout=120)
+    by_rank = {r["rank"]: r for r in parse_results(out)}
+    base = list(range(8))
+    summed = [a + b for a, b in zip(base, [x + 10 for x in base])]
+    for rank, r in by_rank.items():
+        mine = slice(4 * rank, 4 * rank + 4)
+        assert r["grads"][mine] == summed[mine]  # the reduced shard, not the staged input
+        assert r["params"] == [1.0] * 4 + [2.0] * 4
+        assert r["total"] == 3.0
+        assert r["received"] == 100.0 + (1 - rank)
+        assert r["counts"] == {"reduce_scatter_tensor": 1, "all_gather_into_tensor": 1,
+                               "all_reduce": 1, "isend": 1, "irecv": 1}
+    assert sorted(by_rank) == [0, 1]
