@@ -21,6 +21,7 @@ import torch
 from .mcore import build, checkpoint
 from .mcore import runtime as mcore_runtime
 from .memory import LiveTensorMeter, SavedTensorMeter
+from .quiet import is_local_rank0
 from .registry import SCHEDULES, ScheduleOptions
 
 
@@ -93,7 +94,18 @@ def preflight(args):
     except ValueError as exc:  # CheckpointError is one too
         raise ConfigError(str(exc)) from None
     args.vocab_size = tokenizer.vocab_size  # NullTokenizer adds its end-of-document id
+    _check_lr_schedule_on_load(args)
     return tokenizer
+
+
+def _check_lr_schedule_on_load(args) -> None:
+    from .arguments import ConfigError
+    from .mcore import lr_resume
+
+    try:
+        lr_resume.check_lr_schedule_on_load(args, log=_log)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _datasets(args, tokenizer):
@@ -138,7 +150,9 @@ def setup(args, opts: ScheduleOptions) -> Job:
     gbs = args.global_batch_size
     lr_scheduler = build.build_lr_scheduler(
         optimizer, lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_iters * gbs,
-        decay_steps=args.train_iters * gbs, decay_style=args.lr_decay_style)
+        decay_steps=args.train_iters * gbs, decay_style=args.lr_decay_style,
+        override=args.override_opt_param_scheduler,
+        use_checkpoint=args.use_checkpoint_opt_param_scheduler)
     runtime = SCHEDULES.get(args.pipeline_schedule).make(opts)
     uninstall = None
     if runtime is not None:
@@ -441,7 +455,8 @@ def run(args, opts: ScheduleOptions) -> int:
     try:
         train(args, opts)
     except ConfigError as exc:
-        print(f"pretrain_gpt_paci.py: error: {exc}", file=sys.stderr, flush=True)
+        if is_local_rank0():  # every rank found it, before any process group
+            print(f"pretrain_gpt_paci.py: error: {exc}", file=sys.stderr, flush=True)
         return 2
     return 0
 
