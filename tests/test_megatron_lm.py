@@ -81,6 +81,7 @@ def _megatron_args(**overrides):
     (dict(overlap_param_gather=True), "--overlap-param-gather"),
     (dict(rerun_mode="report_determinism_stats"), "--rerun-mode"),
     (dict(apply_layernorm_1p=True), "--apply-layernorm-1p"),
+    (dict(fp16=True), "--fp16"),
     (dict(pipeline_schedule="1f1b", paci_accumulation_factor=4), "only applies to"),
     (dict(pipeline_schedule="interleaved"), "--num-layers-per-virtual-pipeline-stage"),
 ])
@@ -92,7 +93,8 @@ def test_bad_flag_combinations_are_refused(overrides, message):
 def test_stock_schedules_are_not_checked():
     paci_run.validate_flags(_megatron_args(pipeline_schedule="1f1b",
                                            untie_embeddings_and_output_weights=False,
-                                           num_layers_per_virtual_pipeline_stage=2))
+                                           num_layers_per_virtual_pipeline_stage=2,
+                                           fp16=True))  # stock Megatron's own fp16
     paci_run.validate_flags(_megatron_args(pipeline_schedule="interleaved",
                                            num_layers_per_virtual_pipeline_stage=1))
     paci_run.validate_flags(_megatron_args())
