@@ -41,11 +41,13 @@ def six_iterations(tmp_path_factory):
     """A checkpoint at the end of a 6-iteration schedule (its LR has decayed to 0)."""
     root = tmp_path_factory.mktemp("lr_resume")
     metrics = root / "first.jsonl"
-    run_torchrun("pretrain_gpt_paci.py", TINY + ["--train-iters", "6", "--save", str(root / "ckpt"),
-                                                 "--metrics-file", str(metrics)],
-                 nproc=2, timeout=300)
+    _, out, err = run_torchrun(
+        "pretrain_gpt_paci.py", TINY + ["--train-iters", "6", "--save", str(root / "ckpt"),
+                                        "--metrics-file", str(metrics)], nproc=2, timeout=300)
     lrs = _lrs(metrics)
     assert lrs == {i: _cosine_lr(i, 6) for i in range(1, 7)} and lrs[6] == 0.0
+    (root / "stdout.txt").write_text(out)
+    (root / "stderr.txt").write_text(err)
     return root
 
 
@@ -114,3 +116,18 @@ def test_mismatches_name_each_flag_once():
         "--train-iters: 12 iterations (96 samples) here, 6 iterations (48 samples) in the "
         "checkpoint",
         "--lr-decay-style: linear here, cosine in the checkpoint"]
+
+
+@pytest.mark.dist
+def test_fallback_warnings_once_per_job(six_iterations):
+    """(Shares the launch above.) Megatron-Core's per-module "Transformer Engine and Apex are
+    not installed" warnings (about 6 per rank, from training and the checkpoint writer) are
+    replaced by one line from rank 0."""
+    out = (six_iterations / "stdout.txt").read_text()
+    err = (six_iterations / "stderr.txt").read_text()
+    assert "not installed. Falling back to" not in out + err, err[-3000:]
+    notice = [line for line in (out + err).splitlines() if "are not installed: Megatron-Core "
+              "uses its local torch fallbacks" in line]
+    assert notice == ["> Transformer Engine and Apex are not installed: Megatron-Core uses its "
+                      "local torch fallbacks (optimizers, norms, multi-tensor kernels); its "
+                      "per-module warnings about it are silenced"]
