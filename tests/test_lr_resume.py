@@ -84,6 +84,7 @@ def test_override_trains_with_the_new_schedule(six_iterations, tmp_path):
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # one more resumed run (~40 s on 2 loaded cores)
 def test_use_checkpoint_keeps_the_finished_schedule_and_says_so(six_iterations, tmp_path):
     metrics = tmp_path / "resumed.jsonl"
     _, out, _ = _resume(six_iterations, ["--use-checkpoint-opt_param-scheduler"], metrics)

@@ -11,12 +11,12 @@ already ended).
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 from typing import Dict, List, Optional
 
 from megatron.core import dist_checkpointing
 
+from ..quiet import is_rank0
 from . import build, checkpoint
 
 OVERRIDE = "--override-opt_param-scheduler"
@@ -80,7 +80,7 @@ def check_lr_schedule_on_load(args, log=print) -> None:
     if not mismatches:
         return
     detail = "; ".join(mismatches)
-    rank0 = os.environ.get("RANK", "0") == "0"
+    rank0 = is_rank0()  # every rank checks (no process group yet); one says it
     if args.override_opt_param_scheduler:
         if rank0:
             log(f"> {OVERRIDE}: training on with the flags' LR schedule from the checkpoint's "
