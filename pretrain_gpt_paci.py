@@ -11,10 +11,14 @@ any process group starts.
 import sys
 
 from paci_megatron.arguments import parse_and_validate
+from paci_megatron.quiet import fallback_notice, is_rank0
 
 
 def main(argv=None) -> int:
     args, opts = parse_and_validate(argv)
+    notice = fallback_notice()
+    if notice and is_rank0():
+        print(notice, flush=True)
     from paci_megatron.training import run  # imports Megatron: after the flags are checked
 
     return run(args, opts)

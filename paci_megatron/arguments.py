@@ -8,6 +8,7 @@ import math
 import os
 from typing import List, Optional, Sequence
 
+from .quiet import is_local_rank0
 from .registry import SCHEDULES, ScheduleOptions
 
 
@@ -69,8 +70,18 @@ def _path(name: str):
     return parse
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage error is printed once per node (local rank 0; every rank parses the same flags
+    under torchrun), as one line: the usage text would list every flag."""
+
+    def error(self, message: str):
+        if is_local_rank0():
+            self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         description="GPT pretraining on Megatron-Core with a selectable pipeline schedule "
                     "(PACI: asynchronous, bubble-free, bounded weight drift).")
     g = p.add_argument_group("model")
@@ -147,6 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="also save when this much wall-clock time has passed since the last save (bounds "
              "the work a crash loses, whatever the iteration time; stages agree on the "
              "iteration at about 10 check points per interval)")
+    g.add_argument("--override-opt_param-scheduler", action="store_true",
+                   help="with --load: train with the flags' LR schedule (--lr, --min-lr, "
+                        "--lr-warmup-iters, --train-iters, --lr-decay-style, --weight-decay) "
+                        "from the checkpoint's position in it, where they differ from the "
+                        "checkpoint's (default: such a difference is an error)")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   help="with --load: keep the checkpoint's LR schedule where the flags differ")
     g.add_argument("--exit-interval", type=_positive("--exit-interval"), default=None,
                    help="stop (evaluate, save with --save) when the iteration is a multiple "
                         "of this; resume with --load and the same --train-iters")
@@ -302,6 +320,9 @@ def _validate_data_and_outputs(args) -> None:
                         ("--save-interval-minutes", args.save_interval_minutes)):
         if value is not None and not args.save:
             raise ConfigError(f"{flag} needs --save DIR")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise ConfigError("--override-opt_param-scheduler and "
+                          "--use-checkpoint-opt_param-scheduler are exclusive; pick one")
     if args.transformer_impl == "transformer_engine":
         try:
             import transformer_engine  # noqa: F401

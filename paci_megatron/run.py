@@ -37,6 +37,7 @@ import types
 from typing import List, Optional, Sequence
 
 from .autograd_versions import ZERO_CENTERED_GAMMA
+from .quiet import fallback_notice
 
 USAGE = ("usage: python -m paci_megatron.run path/to/Megatron-LM/pretrain_gpt.py "
          "[Megatron-LM flags] [--pipeline-schedule {1f1b,interleaved,paci}] "
@@ -74,6 +75,11 @@ def validate_flags(args: argparse.Namespace) -> None:
         raise ValueError("--pipeline-schedule paci does not support virtual pipeline stages; "
                          "drop --num-layers-per-virtual-pipeline-stage / "
                          "--num-virtual-stages-per-pipeline-rank")
+    if getattr(args, "fp16", False):
+        raise ValueError("--pipeline-schedule paci does not support --fp16 (dynamic loss "
+                         "scaling) yet: the loss is scaled once, at the last stage, but each "
+                         "stage unscales with its own scaler and decides overflow alone, so "
+                         "gradients would come out mis-scaled; use --bf16 (or fp32)")
     if pp > 1 and not args.untie_embeddings_and_output_weights:
         raise ValueError("--pipeline-schedule paci with tied embeddings would all-reduce the "
                          "embedding gradient between the first and last stage at every local "
@@ -211,6 +217,9 @@ def main(argv: Optional[List[str]] = None) -> None:
               f"{installed['megatron_lm_root']}, megatron-core {installed['megatron_core']}); "
               f"hooks: {', '.join(installed['hooks']) or 'none'}; CPU patches: "
               f"{', '.join(installed['cpu_patches']) or 'none'}", flush=True)
+        notice = fallback_notice()
+        if notice:
+            print(notice, flush=True)
     sys.argv = [script, *argv[1:]]
     run_as_main(script)
 

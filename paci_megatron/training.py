@@ -21,6 +21,7 @@ import torch
 from .mcore import build, checkpoint
 from .mcore import runtime as mcore_runtime
 from .memory import LiveTensorMeter, SavedTensorMeter
+from .quiet import is_local_rank0
 from .registry import SCHEDULES, ScheduleOptions
 from .restart import SaveClock, describe_mismatch, restart_count, run_fingerprint, trim_metrics
 
@@ -95,6 +96,7 @@ def preflight(args):
             _check_checkpoint_matches(args)
     except ValueError as exc:  # CheckpointError is one too
         raise ConfigError(str(exc)) from None
+    _check_lr_schedule_on_load(args)
     return tokenizer
 
 
@@ -113,6 +115,16 @@ def _check_checkpoint_matches(args) -> None:
             f"--load {args.load}: checkpoint {path} was written by a different run: "
             f"{'; '.join(problems)}. Resume with the checkpoint's settings, or --save to a new "
             "directory (resharding a checkpoint to another layout is not supported)")
+
+
+def _check_lr_schedule_on_load(args) -> None:
+    from .arguments import ConfigError
+    from .mcore import lr_resume
+
+    try:
+        lr_resume.check_lr_schedule_on_load(args, log=_log)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _datasets(args, tokenizer):
@@ -157,7 +169,9 @@ def setup(args, opts: ScheduleOptions) -> Job:
     gbs = args.global_batch_size
     lr_scheduler = build.build_lr_scheduler(
         optimizer, lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_iters * gbs,
-        decay_steps=args.train_iters * gbs, decay_style=args.lr_decay_style)
+        decay_steps=args.train_iters * gbs, decay_style=args.lr_decay_style,
+        override=args.override_opt_param_scheduler,
+        use_checkpoint=args.use_checkpoint_opt_param_scheduler)
     runtime = SCHEDULES.get(args.pipeline_schedule).make(opts)
     uninstall = None
     if runtime is not None:
@@ -504,7 +518,8 @@ def run(args, opts: ScheduleOptions) -> int:
     try:
         train(args, opts)
     except ConfigError as exc:
-        print(f"pretrain_gpt_paci.py: error: {exc}", file=sys.stderr, flush=True)
+        if is_local_rank0():  # every rank found it, before any process group
+            print(f"pretrain_gpt_paci.py: error: {exc}", file=sys.stderr, flush=True)
         return 2
     return 0
 

@@ -321,6 +321,10 @@ def check_megatron_lm() -> Dict[str, str]:
     for dotted, expected in _EXPECTED_SIGNATURES.items():
         try:
             _module, _attr, fn = _resolve(dotted)
+        except ModuleNotFoundError as exc:
+            _refuse_missing_package(exc)
+            changed.append(f"{dotted}: cannot import ({exc})")
+            continue
         except ImportError as exc:
             changed.append(f"{dotted}: cannot import ({exc})")
             continue
@@ -333,6 +337,18 @@ def check_megatron_lm() -> Dict[str, str]:
             f"the Megatron-LM at {root} (version {checkout or 'unknown'}) differs from the one "
             f"these patches were written for ({_supported()}):\n  " + "\n  ".join(changed))
     return {"megatron_core": mcore, "megatron_lm": checkout or "unknown", "megatron_lm_root": root}
+
+
+def _refuse_missing_package(exc: ModuleNotFoundError) -> None:
+    """A third-party package Megatron-LM's training code imports is absent: say so (and how to
+    install it), rather than report a version mismatch."""
+    top = (exc.name or "").split(".")[0]
+    if top and top != "megatron":
+        raise UnsupportedMegatronLM(
+            f"Megatron-LM's training code imports {top!r}, which is not installed: "
+            f"pip install -e \".[megatron-lm]\" (in paci-megatron's folder) installs what "
+            f"Megatron-LM's pretrain_gpt.py needs, or install the package providing {top!r} "
+            f"({exc})") from exc
 
 
 # --------------------------------------------------------------------------------------------
@@ -356,6 +372,17 @@ def _replace(module, attr: str, new) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
+def _one_line_errors(parser: argparse.ArgumentParser) -> None:
+    """Every rank parses the same flags: a usage error is printed once per node (local rank
+    0) as one line, not Megatron-LM's whole usage text once per rank."""
+    def error(message: str):
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            parser.exit(2, f"{parser.prog}: error: {message}\n")
+        parser.exit(2)
+
+    parser.error = error
+
+
 def install_arguments(validate: Optional[Callable[[argparse.Namespace], None]] = None) -> None:
     """Add PACI's flags to Megatron-LM's ``parse_args`` wherever it is called from.
 
@@ -373,6 +400,7 @@ def install_arguments(validate: Optional[Callable[[argparse.Namespace], None]] =
         def provider(parser):
             if extra_args_provider is not None:
                 parser = extra_args_provider(parser)
+            _one_line_errors(parser)
             return add_paci_arguments(parser)
 
         args = original(provider, ignore_unknown_args)

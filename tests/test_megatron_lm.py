@@ -81,6 +81,7 @@ def _megatron_args(**overrides):
     (dict(overlap_param_gather=True), "--overlap-param-gather"),
     (dict(rerun_mode="report_determinism_stats"), "--rerun-mode"),
     (dict(apply_layernorm_1p=True), "--apply-layernorm-1p"),
+    (dict(fp16=True), "--fp16"),
     (dict(pipeline_schedule="1f1b", paci_accumulation_factor=4), "only applies to"),
     (dict(pipeline_schedule="interleaved"), "--num-layers-per-virtual-pipeline-stage"),
 ])
@@ -92,7 +93,8 @@ def test_bad_flag_combinations_are_refused(overrides, message):
 def test_stock_schedules_are_not_checked():
     paci_run.validate_flags(_megatron_args(pipeline_schedule="1f1b",
                                            untie_embeddings_and_output_weights=False,
-                                           num_layers_per_virtual_pipeline_stage=2))
+                                           num_layers_per_virtual_pipeline_stage=2,
+                                           fp16=True))  # stock Megatron's own fp16
     paci_run.validate_flags(_megatron_args(pipeline_schedule="interleaved",
                                            num_layers_per_virtual_pipeline_stage=1))
     paci_run.validate_flags(_megatron_args())
@@ -218,8 +220,12 @@ def test_stock_1f1b_is_untouched(stock_run):
 def test_paci_one_local_step_per_iteration(stock_run, tmp_path):
     """a = micro-batches per iteration (the default): the first iteration's forwards all run
     on the initial weights, so its loss equals stock 1F1B's; the LR schedule is the same."""
-    out = _ok(["--pipeline-schedule", "paci"], tmp_path)
+    rc, out, err = run_pretrain_gpt(["--pipeline-schedule", "paci"], tmp_path)
+    assert rc == 0, f"exit code {rc}\n{out[-6000:]}\n--- stderr ---\n{err[-6000:]}"
     assert "hooks: setup_model_and_optimizer, train_step, save_checkpoint, train" in out
+    # Megatron-Core's and Megatron-LM's per-module fallback warnings: one line from rank 0
+    assert "not installed. Falling back to" not in out + err, err[-3000:]
+    assert (out + err).count("are not installed: Megatron-Core uses its local torch") == 1
     rows, stock = iterations(out), iterations(stock_run)
     assert [r["iteration"] for r in rows] == ["1", "2", "3", "4"], out[-3000:]
     assert rows[0]["loss"] == stock[0]["loss"]
@@ -251,3 +257,33 @@ def test_paci_accumulation_factor_must_divide(tmp_path):
                                      "--paci-accumulation-factor", "3"], tmp_path)
     assert rc != 0
     assert "--paci-accumulation-factor 3 must divide the number of micro-batches" in out + err
+
+
+@pytest.mark.dist
+@needs_megatron_lm
+def test_a_bad_megatron_lm_flag_prints_one_error_line_once(tmp_path):
+    rc, out, err = run_pretrain_gpt(["--pipeline-schedule", "paci", "--hidden-size", "abc"],
+                                    tmp_path)
+    assert rc != 0
+    errors = [line for line in (out + err).splitlines() if ": error: " in line]
+    assert len(errors) == 1 and "--hidden-size" in errors[0], out[-3000:] + err[-3000:]
+    assert "usage:" not in out + err
+
+
+@needs_megatron_lm
+@pytest.mark.parametrize("without,module", [
+    (None, None), ("six", "six"), ("regex", "regex"), ("pyyaml", "yaml"),
+    ("pydantic", "pydantic")])
+def test_the_megatron_lm_extra_is_what_pretrain_gpt_imports(without, module):
+    """pretrain_gpt.py imports through the hooks with only what ``pip install -e
+    ".[megatron-lm]"`` brings (a fresh site folder, ``python -S``; nothing is installed), and
+    not without each package of the extra, with an error naming the extra."""
+    worker = os.path.join(REPO, "tests", "workers", "clean_env_import.py")
+    cmd = [sys.executable, worker, PRETRAIN_GPT] + (["--without", without] if without else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if without is None:
+        assert "\nIMPORTED" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    else:
+        refused = [l for l in proc.stdout.splitlines() if l.startswith("REFUSED")]
+        assert refused and f"imports {module!r}, which is not installed" in refused[0] \
+            and '".[megatron-lm]"' in refused[0], proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -469,8 +469,13 @@ def build_lr_scheduler(
     warmup_steps: int = 0,
     decay_steps: int = 1,
     decay_style: str = "cosine",
+    override: bool = False,
+    use_checkpoint: bool = False,
 ) -> OptimizerParamScheduler:
-    """Megatron's ``OptimizerParamScheduler``: linear warmup to ``lr`` then ``decay_style``."""
+    """Megatron's ``OptimizerParamScheduler``: linear warmup to ``lr`` then ``decay_style``.
+    On load, ``override`` keeps these settings, ``use_checkpoint`` takes the checkpoint's, and
+    neither asserts they are equal (Megatron-LM's --override-opt_param-scheduler /
+    --use-checkpoint-opt_param-scheduler; ``lr_resume`` explains a mismatch first)."""
     wd = optimizer.config.weight_decay if hasattr(optimizer, "config") else 0.0
     return OptimizerParamScheduler(
         optimizer,
@@ -484,6 +489,8 @@ def build_lr_scheduler(
         end_wd=wd,
         wd_incr_steps=max(decay_steps, 1),
         wd_incr_style="constant",
+        override_opt_param_scheduler=override,
+        use_checkpoint_opt_param_scheduler=use_checkpoint,
     )
 
 

@@ -1,0 +1,119 @@
+"""Import Megatron-LM's pretrain_gpt.py (through paci_megatron.run's hooks) as on a fresh
+install of ``paci-megatron[megatron-lm]``, without installing anything.
+
+    python tests/workers/clean_env_import.py PRETRAIN_GPT [--without NAME]
+
+The distributions such an install brings (this repository's ``install_requires`` and the
+``megatron-lm`` extra, their requirements recursively from the installed metadata, and the
+pip/setuptools of a new virtual environment) are linked into a temporary folder; the import
+then runs in ``python -S`` (no site-packages, no .pth files) with only that folder and this
+repository on the path. ``--without NAME`` leaves NAME out of the extra (to see that it is
+needed). Prints ``IMPORTED`` or ``REFUSED <error>``.
+"""
+
+import argparse
+import ast
+import importlib
+import importlib.metadata as md
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+FRESH_VENV = ("pip", "setuptools")
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def setup_requirements(extra: str):
+    """install_requires + extras_require[extra] of this repository's setup.py (read, not run)."""
+    tree = ast.parse(open(os.path.join(REPO, "setup.py")).read())
+    call = next(node for node in ast.walk(tree)
+                if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setup")
+    kwargs = {kw.arg: kw.value for kw in call.keywords}
+    return (list(ast.literal_eval(kwargs["install_requires"]))
+            + list(ast.literal_eval(kwargs["extras_require"])[extra]))
+
+
+def closure(requirements):
+    """The installed distributions a pip install of ``requirements`` would bring."""
+    from packaging.requirements import Requirement
+
+    todo, found = [(Requirement(r), "") for r in requirements], {}
+    while todo:
+        req, extra = todo.pop()
+        if req.marker is not None and not req.marker.evaluate({"extra": extra}):
+            continue
+        try:
+            dist = md.distribution(req.name)
+        except md.PackageNotFoundError:
+            continue  # not installed here (an optional marker-only dependency)
+        key = _norm(req.name)
+        extras = sorted(req.extras)
+        if (key, tuple(extras)) in found:
+            continue
+        found[(key, tuple(extras))] = dist
+        for sub in dist.requires or []:
+            for e in extras or [""]:
+                todo.append((Requirement(sub), e))
+    return {key: dist for (key, _), dist in found.items()}
+
+
+def link_site(dists, folder: str) -> None:
+    """Symlink each distribution's top-level files and folders (and its metadata) here."""
+    for dist in dists.values():
+        for path in dist.files or []:
+            top = path.parts[0]
+            if top == ".." or top == "__pycache__":
+                continue
+            source = os.path.join(str(dist.locate_file("")), top)
+            target = os.path.join(folder, top)
+            if os.path.exists(source) and not os.path.lexists(target):
+                os.symlink(source, target)
+
+
+def child(script: str) -> None:
+    sys.path.insert(0, REPO)
+    try:
+        from paci_megatron import run
+
+        run.install([], script)
+        sys.argv = [script]
+        importlib.import_module(os.path.splitext(os.path.basename(script))[0])
+    except Exception as exc:  # what a user on a fresh install would see
+        print(f"REFUSED {type(exc).__name__}: {exc}", flush=True)
+        return
+    print("IMPORTED", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("script")
+    parser.add_argument("--without", default=None)
+    parser.add_argument("--child", action="store_true")
+    args = parser.parse_args()
+    if args.child:
+        return child(args.script)
+    requirements = [r for r in setup_requirements("megatron-lm")
+                    if args.without is None or _norm(re.split(r"[<>=!~\[; ]", r)[0])
+                    != _norm(args.without)]
+    dists = closure(requirements + list(FRESH_VENV))
+    with tempfile.TemporaryDirectory(prefix="fresh_site_") as folder:
+        link_site(dists, folder)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+        env.update(PYTHONPATH=folder, PYTHONNOUSERSITE="1", OMP_NUM_THREADS="1")
+        proc = subprocess.run([sys.executable, "-S", os.path.abspath(__file__), "--child",
+                               args.script], env=env, capture_output=True, text=True,
+                              timeout=600, cwd=folder)
+    print(f"DISTRIBUTIONS {sorted(dists)}")
+    sys.stdout.write(proc.stdout)
+    if "IMPORTED" not in proc.stdout and "REFUSED" not in proc.stdout:
+        print(f"REFUSED exit {proc.returncode}: {proc.stderr[-3000:]}")
+
+
+if __name__ == "__main__":
+    main()
