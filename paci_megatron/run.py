@@ -137,7 +137,12 @@ def refuse_stage_crossing_collectives(args: argparse.Namespace) -> None:
 
 def make_runtime(margs, num_microbatches: int):
     """The PACI runtime for Megatron-LM's parsed args (process groups exist by now)."""
+    from .mcore.checkpoint import writer_queue_dies_with_this_process
     from .registry import SCHEDULES, ScheduleOptions
+
+    # a worker killed under torchrun --max-restarts must not leave Megatron's checkpoint
+    # writer Manager behind (it holds the job's output pipes open)
+    writer_queue_dies_with_this_process()
 
     accumulation = margs.paci_accumulation_factor or num_microbatches
     opts = ScheduleOptions(
@@ -220,6 +225,11 @@ def main(argv: Optional[List[str]] = None) -> None:
         notice = fallback_notice()
         if notice:
             print(notice, flush=True)
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if restart not in ("", "0"):
+            print(f"> paci_megatron.run: restart {restart} of this job (torchrun --max-restarts "
+                  f"{os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}); Megatron-LM resumes "
+                  "from the newest checkpoint under --load", flush=True)
     sys.argv = [script, *argv[1:]]
     run_as_main(script)
 

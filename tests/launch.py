@@ -77,9 +77,15 @@ def run_torchrun(
 
 
 def parse_results(stdout: str, prefix: str = "RESULT ") -> List[dict]:
-    """The JSON objects printed by a worker as lines ``<prefix>{json}``."""
-    return [json.loads(line[len(prefix):]) for line in stdout.splitlines()
-            if line.startswith(prefix)]
+    """The JSON objects printed by the workers as ``<prefix>{json}``. Ranks share one pipe and
+    an unbuffered print() writes its newline separately, so two results can share a line."""
+    decoder, found = json.JSONDecoder(), []
+    for line in stdout.splitlines():
+        pos = 0
+        while line.startswith(prefix, pos):
+            obj, pos = decoder.raw_decode(line, pos + len(prefix))
+            found.append(obj)
+    return found
 
 
 def results_by_case(stdout: str) -> Dict[str, dict]:

@@ -134,6 +134,7 @@ def test_job_killed_while_saving_leaves_previous_checkpoint_loadable(tmp_path):
     assert find_checkpoint(str(ckpt)).endswith(f"iter_{latest:07d}")
     _, out, _ = run_torchrun("pretrain_gpt_paci.py", [
         "--untie-embeddings-and-output-weights", "--num-layers", "2", "--hidden-size", "32",
-        "--seq-length", "16", "--train-iters", str(latest + 1), "--load", str(ckpt)],
+        "--seq-length", "16", "--train-iters", str(latest + 1), "--load", str(ckpt),
+        "--override-opt_param-scheduler"],  # one more iteration, not the saved 1000-iteration run
         nproc=2, timeout=120)
     assert f"loaded checkpoint from {ckpt} at iteration {latest} " in out, (latest, out[:600])

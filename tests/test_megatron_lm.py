@@ -287,3 +287,40 @@ def test_the_megatron_lm_extra_is_what_pretrain_gpt_imports(without, module):
         refused = [l for l in proc.stdout.splitlines() if l.startswith("REFUSED")]
         assert refused and f"imports {module!r}, which is not installed" in refused[0] \
             and '".[megatron-lm]"' in refused[0], proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.dist
+@needs_megatron_lm
+def test_a_killed_rank_restarts_through_the_drop_in(tmp_path):
+    """torchrun --max-restarts 1 with --save DIR --load DIR from the first launch: DIR is
+    empty then (Megatron-LM starts from scratch); rank 1 is SIGKILLed as iteration 4 starts,
+    torchrun restarts both workers, they load iteration 2 and train on to the end. (The shared
+    rendezvous store would hand the restarted workers the dead ones' keys: see the README.)"""
+    ckpt = str(tmp_path / "ckpt")
+    worker = os.path.join(REPO, "tests", "workers", "megatron_lm_restart.py")
+    flags = [flag if flag != "4" or prev != "--train-iters" else "6"
+             for prev, flag in zip([""] + MODEL_FLAGS, MODEL_FLAGS)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "--max-restarts", "1", worker, PRETRAIN_GPT, *CPU_FLAGS, *flags,
+           "--pipeline-schedule", "paci", "--save", ckpt, "--load", ckpt, "--save-interval", "2"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p),
+        PACI_TEST_FAULT="before_iteration:1:4", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+        OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=400)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, err = proc.communicate()
+        raise AssertionError(f"timed out: {out[-4000:]}\n{err[-4000:]}") from None
+    assert proc.returncode == 0, f"{out[-6000:]}\n--- stderr ---\n{err[-6000:]}"
+    assert out.count("PACI_TEST_KILLED") == 1
+    assert "could not find the metadata file" in out  # the first launch: nothing to load yet
+    assert "> paci_megatron.run: restart 1 of this job" in out
+    assert re.search(r"loading distributed checkpoint from \S+ at iteration 2", out)
+    done = [int(r["iteration"]) for r in iterations(out)]
+    assert done == [1, 2, 3, 3, 4, 5, 6], out[-3000:]  # 3 again after the resume, then on
+    assert sorted(os.listdir(ckpt)) == ["iter_0000002", "iter_0000004", "iter_0000006",
+                                        "latest_checkpointed_iteration.txt"]

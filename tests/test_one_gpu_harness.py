@@ -16,7 +16,7 @@ FLAGS = ["pretrain_gpt_paci.py", "--pipeline-schedule", "paci", "--paci-sync-ite
          "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
          "--vocab-size", "128", "--train-iters", "4", "--log-interval", "1",
-         "--untie-embeddings-and-output-weights", "--weights-digest",
+         "--untie-embeddings-and-output-weights",
          "--distributed-backend", "gloo"]
 
 

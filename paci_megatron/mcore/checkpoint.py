@@ -87,7 +87,7 @@ def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def _writer_queue_dies_with_this_process() -> None:
+def writer_queue_dies_with_this_process() -> None:
     """torch_dist saving keeps, for the life of the process, a ``multiprocessing`` Manager
     (spawned; it serves the queue of write results). A worker killed by SIGKILL would leave
     that Manager running, with the worker's memory image and its output pipes, after torchrun
@@ -120,7 +120,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, lr_scheduler,
     state["lr_scheduler"] = lr_scheduler.state_dict()
     state["iteration"] = iteration
     state["extra"] = dict(extra or {})
-    _writer_queue_dies_with_this_process()
+    writer_queue_dies_with_this_process()
     dist_checkpointing.save(state, tmp)
     _barrier()
     if rank0:

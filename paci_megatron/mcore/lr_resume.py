@@ -47,6 +47,8 @@ def saved_scheduler_state(root: str) -> Optional[Dict]:
         path = checkpoint.find_checkpoint(root)
     except checkpoint.CheckpointError:
         return None
+    if path is None:  # nothing saved yet: the run starts from scratch
+        return None
     return dist_checkpointing.load_common_state_dict(path).get("lr_scheduler")
 
 

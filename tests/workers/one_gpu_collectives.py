@@ -34,7 +34,9 @@ received = torch.zeros(1)
 reqs = [dist.isend(tensor=sent, dst=peer), dist.irecv(tensor=received, src=peer)]
 for req in reqs:
     req.wait()
-print("RESULT " + json.dumps(dict(rank=rank, grads=grads.tolist(), params=params.tolist(),
-                                  total=total.item(), received=received.item(),
-                                  counts=dict(staging.counts))), flush=True)
+# one write per line: the two ranks share the pipe, and print() writes the newline apart
+sys.stdout.write("RESULT " + json.dumps(dict(
+    rank=rank, grads=grads.tolist(), params=params.tolist(), total=total.item(),
+    received=received.item(), counts=dict(staging.counts))) + "\n")
+sys.stdout.flush()
 dist.destroy_process_group()
