@@ -7,6 +7,7 @@ time-based saves happen at an iteration every stage agrees on."""
 
 import json
 import os
+import re
 
 import pytest
 
@@ -38,7 +39,9 @@ def _summary(stdout):
 
 
 def _stamp(stdout, name):
-    return [float(l.split()[1]) for l in stdout.splitlines() if l.startswith(name + " ")]
+    """The times a worker printed after ``name``; anywhere in a line, since the ranks share the
+    pipe and a killed rank's line can land inside another rank's."""
+    return [float(t) for t in re.findall(rf"{name} (\d+\.\d+)", stdout)]
 
 
 def _replayable(records):

@@ -25,8 +25,14 @@ from paci_megatron.mcore import checkpoint
 from paci_megatron.restart import restart_count
 
 
+def _say(line: str) -> None:
+    """One write for the line and its newline: the ranks share torchrun's pipe."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def _kill_self() -> None:
-    print(f"PACI_TEST_KILLED {time.time():.3f}", flush=True)
+    _say(f"PACI_TEST_KILLED {time.time():.3f}")
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -80,7 +86,7 @@ def _report_first_iteration() -> None:
         result = original_step(job)
         if job.reporter and not seen:
             seen.append(True)
-            print(f"PACI_TEST_FIRST_ITERATION {time.time():.3f}", flush=True)
+            _say(f"PACI_TEST_FIRST_ITERATION {time.time():.3f}")
         return result
 
     training.train_step = train_step
