@@ -14,7 +14,7 @@ from __future__ import annotations
 import gc
 import warnings
 import weakref
-from typing import Callable, Dict, Iterable, Optional
+from typing import Callable, Dict, Iterable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -88,8 +88,6 @@ class LiveTensorMeter:
     def __init__(self):
         self.live = 0
         self.peak = 0
-        self.peak_label: Optional[str] = None
-        self.label: Optional[str] = None  # what runs now (e.g. an action), for ``peak_label``
         self._tracked: Dict[int, tuple] = {}
         self._mode = None
 
@@ -111,8 +109,7 @@ class LiveTensorMeter:
             self.live -= self._tracked.pop(key)[1]
 
     def note_peak(self) -> None:
-        if self.live > self.peak:
-            self.peak, self.peak_label = self.live, self.label
+        self.peak = max(self.peak, self.live)
 
     def start(self) -> "LiveTensorMeter":
         with warnings.catch_warnings():  # isinstance() wakes deprecated module attributes

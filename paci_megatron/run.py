@@ -38,6 +38,7 @@ from typing import List, Optional, Sequence
 
 from .autograd_versions import ZERO_CENTERED_GAMMA
 from .quiet import fallback_notice
+from .restart import restart_count
 
 USAGE = ("usage: python -m paci_megatron.run path/to/Megatron-LM/pretrain_gpt.py "
          "[Megatron-LM flags] [--pipeline-schedule {1f1b,interleaved,paci}] "
@@ -225,8 +226,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         notice = fallback_notice()
         if notice:
             print(notice, flush=True)
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        if restart not in ("", "0"):
+        restart = restart_count(os.environ)
+        if restart:
             print(f"> paci_megatron.run: restart {restart} of this job (torchrun --max-restarts "
                   f"{os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}); Megatron-LM resumes "
                   "from the newest checkpoint under --load", flush=True)

@@ -29,7 +29,7 @@ from megatron.core.utils import get_model_config, get_model_type
 
 from ..autograd_versions import keep_version_counters
 from ..emulate import run_global
-from ..schedule import Action, Op, StreamPlan, drift_bound, plan_stream
+from ..schedule import Action, Op, StreamPlan, plan_stream
 from . import build
 from .checkpoint import weights_sha256
 
@@ -54,12 +54,12 @@ def as_pipeline_stage(stage: int, num_stages: int):
     process whose real pipeline group has one rank (Megatron's own rank/size overrides, plus
     the group that model builders read their layer offset from)."""
     ps = parallel_state
-    saved = (ps._MPU_PIPELINE_MODEL_PARALLEL_RANK, ps._MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE,
-             ps.get_pipeline_model_parallel_group)
     real_group = ps.get_pipeline_model_parallel_group
-    if real_group().size() != 1:
+    real_size = real_group().size()
+    if real_size != 1:
         raise RuntimeError("the emulator needs a process with pipeline-parallel size 1 "
-                           f"(found {real_group().size()})")
+                           f"(found {real_size})")
+    saved = ps._MPU_PIPELINE_MODEL_PARALLEL_RANK, ps._MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE
     view = _PipelineGroupView(stage, num_stages)
     ps.set_pipeline_model_parallel_rank(stage)
     ps.set_pipeline_model_parallel_world_size(num_stages)
@@ -67,8 +67,8 @@ def as_pipeline_stage(stage: int, num_stages: int):
     try:
         yield
     finally:
-        ps._MPU_PIPELINE_MODEL_PARALLEL_RANK, ps._MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = saved[:2]
-        ps.get_pipeline_model_parallel_group = saved[2]
+        ps._MPU_PIPELINE_MODEL_PARALLEL_RANK, ps._MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = saved
+        ps.get_pipeline_model_parallel_group = real_group
 
 
 def _rng_state() -> tuple:
@@ -274,15 +274,6 @@ class PipelineEmulator:
             raise RuntimeError("drain with messages in transit (drain between calls only)")
         self.plan = None
         return dropped
-
-    # reporting -------------------------------------------------------------------------------
-    def drift_bounds(self) -> List[int]:
-        if self.kind != "paci":
-            return [0] * self.num_stages
-        return [drift_bound(self.num_stages, s, self.accumulation) for s in range(self.num_stages)]
-
-    def max_drift(self) -> List[int]:
-        return [max(stage.drift, default=0) for stage in self.stages]
 
     def stage_model(self, s: int):
         return self.stages[s].parts.model

@@ -9,6 +9,7 @@ import signal
 import sys
 
 from paci_megatron import run
+from paci_megatron.restart import restart_count
 
 
 def _kill_at(iteration: int) -> None:
@@ -28,7 +29,7 @@ def _kill_at(iteration: int) -> None:
 
 def main() -> None:
     kind, rank, iteration = os.environ["PACI_TEST_FAULT"].split(":")
-    first_launch = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    first_launch = restart_count(os.environ) == 0
     if kind == "before_iteration" and first_launch and os.environ["RANK"] == rank:
         start = run.run_as_main
 
