@@ -135,22 +135,44 @@ def run_shape(name: str, flags: Sequence[str], nproc: int) -> tta.RunShape:
 
 
 def run_one(spec: RunSpec, seed: Optional[int], train_flags: List[str], out: str, nproc: int,
-            timeout: float) -> List[Dict]:
-    """Train once; returns the metrics records."""
+            timeout: float, reuse: bool = False) -> List[Dict]:
+    """Train once; returns the metrics records. With ``reuse``, a finished run of the same
+    name, seed and flags in ``out`` is read back instead of run again."""
     stem = spec.name if seed is None else f"{spec.name}.seed{seed}"
     metrics = os.path.join(out, f"{stem}.jsonl")
-    if os.path.exists(metrics):
-        os.remove(metrics)
     seed_flags = [] if seed is None else ["--seed", str(seed)]
+    flags = [*train_flags, *spec.flags, *seed_flags]
+    record = os.path.join(out, f"{stem}.flags.json")
+    if reuse and _finished_with(metrics, record, flags, nproc):
+        print(f"  reusing {metrics}", flush=True)
+        return _read_records(metrics)
+    for stale in (metrics, record):
+        if os.path.exists(stale):
+            os.remove(stale)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", ENTRY, *train_flags, *spec.flags, *seed_flags,
-           "--metrics-file", metrics]
+           f"--nproc-per-node={nproc}", ENTRY, *flags, "--metrics-file", metrics]
     with open(os.path.join(out, f"{stem}.log"), "w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{stem} failed (exit {proc.returncode}); see {log.name}")
+    with open(record, "w") as f:
+        json.dump({"flags": flags, "nproc_per_node": nproc}, f)
+    return _read_records(metrics)
+
+
+def _read_records(metrics: str) -> List[Dict]:
     with open(metrics) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def _finished_with(metrics: str, record: str, flags: List[str], nproc: int) -> bool:
+    """A run in ``out`` that ended (its final record is there) with exactly these flags."""
+    if not (os.path.exists(metrics) and os.path.exists(record)):
+        return False
+    with open(record) as f:
+        if json.load(f) != {"flags": flags, "nproc_per_node": nproc}:
+            return False
+    return any(r.get("final") for r in _read_records(metrics))
 
 
 def summarize(name: str, records: List[Dict], shape: tta.RunShape, costs: Costs,
@@ -292,6 +314,23 @@ def tta_table(rows: List[Dict], base_name: str) -> str:
     return "\n".join(out)
 
 
+GAP_FRACTIONS = (0.25, 0.5, 1.0)
+
+
+def gap_table(runs: Dict[str, List[Dict]], base_name: str) -> str:
+    """Validation-loss gap to the baseline of the same seed at equal samples, at 25%, 50% and
+    100% of the baseline's training (interpolated between evaluations)."""
+    head = ("| run | " + " | ".join(f"gap at {f:.0%} of training" for f in GAP_FRACTIONS)
+            + " |")
+    out = [head, "|" + "---|" * (1 + len(GAP_FRACTIONS))]
+    for name, seeds in runs.items():
+        per_seed = [tta.gaps_at(b["curve"], r["curve"], X_SAMPLES, GAP_FRACTIONS)
+                    for r, b in zip(seeds, runs[base_name])]
+        cols = [[g[i] for g in per_seed] for i in range(len(GAP_FRACTIONS))]
+        out.append(f"| {name} | " + " | ".join(f"{_stat(c, 2)} %" for c in cols) + " |")
+    return "\n".join(out)
+
+
 def plot(runs: Dict[str, List[Dict]], out: str) -> List[str]:
     import matplotlib
 
@@ -364,6 +403,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True)
     parser.add_argument("--nproc-per-node", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per run")
+    parser.add_argument("--reuse", action="store_true",
+                        help="read back runs already finished in --out with the same name, "
+                             "seed and flags instead of running them again (to add runs to a "
+                             "study)")
     return parser
 
 
@@ -432,12 +475,13 @@ def compare(args, train_flags: List[str]) -> int:
             print(f"running {spec.name}" + ("" if seed is None else f" (seed {seed})") + " ...",
                   flush=True)
             records = run_one(spec, seed, train_flags, args.out, args.nproc_per_node,
-                              args.timeout)
+                              args.timeout, reuse=args.reuse)
             runs.setdefault(spec.name, []).append(
                 summarize(spec.name, records, shapes[spec.name], costs, seed))
     targets = targets_per_seed(runs[base_name], extra_targets)
     rows = time_to_accuracy(runs, base_name, targets)
     table, ttable = report_table(runs, base_name), tta_table(rows, base_name)
+    gtable = gap_table(runs, base_name)
     plots = plot(runs, args.out)
     with open(os.path.join(args.out, "report.md"), "w") as f:
         f.write("# Schedule comparison\n\nTraining flags: `" + " ".join(train_flags) + "`\n\n")
@@ -445,7 +489,8 @@ def compare(args, train_flags: List[str]) -> int:
         if args.seeds is not None:
             f.write(f"Seeds {args.seeds}: every figure is the mean ± the sample standard "
                     "deviation over seeds.\n\n")
-        f.write(table + "\n\n## Time to accuracy\n\n" + ttable + "\n\n")
+        f.write(table + "\n\n## Gap to " + base_name + " at equal samples\n\n" + gtable
+                + "\n\n## Time to accuracy\n\n" + ttable + "\n\n")
         f.write(f"Targets are per seed (the {base_name} run of the same seed). A run reaches a "
                 "target where its validation curve first gets to it, interpolated linearly "
                 "between evaluations. Projected time: each schedule's action lists for this P "
@@ -457,6 +502,7 @@ def compare(args, train_flags: List[str]) -> int:
         for p in plots:
             f.write(f"![{os.path.basename(p)}]({os.path.basename(p)})\n")
     print(table)
+    print(gtable)
     print(ttable)
     print_speedups(runs, rows, base_name)
     print(f"report: {os.path.join(args.out, 'report.md')}")

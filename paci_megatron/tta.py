@@ -110,22 +110,42 @@ def projected_seconds(shape: RunShape, costs: Costs, iterations: float,
     return sync * sync_s + (iterations - sync) * main_s
 
 
-def mid_run_target(points: Sequence[Point], x_index: int) -> Optional[float]:
-    """The loss at half the last point's x (``x_index`` picks which x), interpolated along the
-    curve; None for an empty curve."""
+def loss_at(points: Sequence[Point], x_index: int, x: float) -> Optional[float]:
+    """The loss at ``x`` (``x_index`` picks which x), interpolated linearly along the curve;
+    the first point's loss before it, the last one's after it; None for an empty curve."""
     if not points:
         return None
-    half = points[-1][0][x_index] / 2
     prev = None
     for xs, loss in points:
-        if xs[x_index] >= half:
+        if xs[x_index] >= x:
             if prev is None:
                 return loss
             x0, l0 = prev
-            frac = (half - x0) / (xs[x_index] - x0) if xs[x_index] > x0 else 1.0
+            frac = (x - x0) / (xs[x_index] - x0) if xs[x_index] > x0 else 1.0
             return l0 + frac * (loss - l0)
         prev = (xs[x_index], loss)
     return points[-1][1]
+
+
+def mid_run_target(points: Sequence[Point], x_index: int) -> Optional[float]:
+    """The loss at half the last point's x; None for an empty curve."""
+    if not points:
+        return None
+    return loss_at(points, x_index, points[-1][0][x_index] / 2)
+
+
+def gaps_at(base: Sequence[Point], run: Sequence[Point], x_index: int,
+            fractions: Sequence[float]) -> List[Optional[float]]:
+    """The run's loss over the baseline's minus 1, in percent, at each fraction of the
+    baseline's last x (equal samples when x is samples); None where a curve is empty."""
+    if not base or not run:
+        return [None] * len(fractions)
+    out = []
+    for f in fractions:
+        x = f * base[-1][0][x_index]
+        b, r = loss_at(base, x_index, x), loss_at(run, x_index, x)
+        out.append(100.0 * (r / b - 1.0))
+    return out
 
 
 def speedups(base: List[Optional[float]], run: List[Optional[float]]) -> List[float]:

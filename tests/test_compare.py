@@ -19,17 +19,21 @@ ITERS = 6
 NAME = f"paci-a4-sync{K}"
 
 
-@pytest.fixture(scope="module")
-def compared(tmp_path_factory):
-    out = tmp_path_factory.mktemp("compare") / "report"
-    proc = subprocess.run(
+def _compare(out, *extra, iters=ITERS):
+    return subprocess.run(
         [sys.executable, "-m", "paci_megatron.compare", "--schedules", "1f1b",
          "--run", f"{NAME}=--pipeline-schedule paci --paci-accumulation-factor 4 "
          f"--paci-sync-iters {K}",
-         "--seeds", ",".join(map(str, SEEDS)), "--timeout", "400", "--out", str(out), "--",
-         "--untie-embeddings-and-output-weights", "--num-layers", "2", "--hidden-size", "32",
-         "--seq-length", "16", "--train-iters", str(ITERS), "--measure-activation-memory"],
+         "--seeds", ",".join(map(str, SEEDS)), "--timeout", "400", "--out", str(out), *extra,
+         "--", "--untie-embeddings-and-output-weights", "--num-layers", "2", "--hidden-size",
+         "32", "--seq-length", "16", "--train-iters", str(iters), "--measure-activation-memory"],
         capture_output=True, text=True, timeout=1200, cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare") / "report"
+    proc = _compare(out)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return out, proc.stdout
 
@@ -120,3 +124,39 @@ def test_seeds_change_the_run(compared):
     out, _ = compared
     losses = [_train(_metrics(out, "1f1b", seed), "lm_loss") for seed in SEEDS]
     assert losses[0] != losses[1]
+
+
+def test_gap_table_pairs_each_seed_with_the_baseline(compared):
+    out, _ = compared
+    lines = [l for l in (out / "report.md").read_text().splitlines() if l.startswith("| ")]
+    header, rows = _rows(lines, "gap at 25% of training")
+    assert header[1:] == [f"gap at {p}% of training" for p in (25, 50, 100)]
+    rows = {r["run"]: r for r in rows}
+    assert all(rows["1f1b"][c] == "0.00 ± 0.00 %" for c in header[1:])
+    # at 100%: the final validation losses of the same seed
+    finals = {name: [_metrics(out, name, s)[-1]["validation_loss"] for s in SEEDS]
+              for name in ("1f1b", NAME)}
+    gaps = [100 * (r / b - 1) for r, b in zip(finals[NAME], finals["1f1b"])]
+    mean = sum(gaps) / 2
+    assert rows[NAME]["gap at 100% of training"].startswith(f"{mean:.2f} ± ")
+
+
+def test_reuse_reads_finished_runs_back_and_reruns_changed_ones(compared, tmp_path):
+    out, _ = compared
+    before = (out / "report.md").read_text()
+    stamps = {p.name: p.stat().st_mtime_ns for p in out.glob("*.jsonl")}
+    proc = _compare(out, "--reuse")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("reusing ") == 2 * len(SEEDS)
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("*.jsonl")} == stamps
+    # same runs, same report (wall-clock figures included: they are read back)
+    assert (out / "report.md").read_text() == before
+    # a run whose flags or process count changed is not reused
+    from paci_megatron.compare import _finished_with
+    stem = out / f"1f1b.seed{SEEDS[0]}"
+    flags = json.loads((out / f"{stem.name}.flags.json").read_text())["flags"]
+    metrics, record = f"{stem}.jsonl", f"{stem}.flags.json"
+    assert _finished_with(metrics, record, flags, 2)
+    assert not _finished_with(metrics, record, flags + ["--lr", "1e-3"], 2)
+    assert not _finished_with(metrics, record, flags, 4)
+    assert not _finished_with(metrics, str(tmp_path / "none.json"), flags, 2)

@@ -140,3 +140,23 @@ def test_bad_compare_flags_fail_before_any_run(argv, match, tmp_path, capsys):
     assert info.value.code == 2
     assert match in capsys.readouterr().err
     assert not (tmp_path / "out").exists()  # nothing was launched
+
+
+def test_loss_at_interpolates_and_clamps_to_the_ends():
+    points = curve([5.0, 4.0, 3.0])  # x = 10, 20, 30
+    assert tta.loss_at(points, 0, 15) == pytest.approx(4.5)
+    assert tta.loss_at(points, 1, 30) == pytest.approx(4.5)  # second x is 2 x iteration
+    assert tta.loss_at(points, 0, 20) == 4.0
+    assert tta.loss_at(points, 0, 5) == 5.0 and tta.loss_at(points, 0, 99) == 3.0
+    assert tta.loss_at([], 0, 1.0) is None
+
+
+def test_gaps_at_fractions_of_the_baseline_run():
+    base = curve([5.0, 4.0, 3.0, 2.0])          # x = 10..40
+    run = curve([5.5, 4.4, 3.3, 2.2, 2.1])      # 10% above, one evaluation longer
+    gaps = tta.gaps_at(base, run, 0, (0.25, 0.5, 1.0))
+    # at 25% of 40 = x 10, 50% = x 20, 100% = x 40: the run's extra point is not used
+    assert gaps == pytest.approx([10.0, 10.0, 10.0])
+    assert tta.gaps_at(base, curve([4.0, 4.0, 3.0, 2.0]), 0, (0.25, 0.375)) == \
+        pytest.approx([-20.0, 100 * (4.0 / 4.5 - 1)])
+    assert tta.gaps_at([], run, 0, (1.0,)) == [None]
