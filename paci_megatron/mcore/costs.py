@@ -6,8 +6,9 @@ Run with the flags of a one-stage model holding one stage's layers (``compare`` 
 ``--num-layers L/P --pipeline-model-parallel-size 1``): it builds the model, optimizer and
 data exactly as training does, then times ``--cost-repeats`` forwards and backwards of one
 micro-batch (Megatron's ``forward_step`` / ``backward_step``) and as many local steps (gradient
-finalisation, ``optimizer.step()``, zeroing), after ``--cost-warmup`` untimed rounds, and prints
-``PACI_COSTS {"forward_ms": ..., "backward_ms": ..., "step_ms": ...}`` with the medians.
+finalisation, ``optimizer.step()``, zeroing), after ``--cost-warmup`` untimed rounds (reading a batch is not timed), and prints
+``PACI_COSTS {"forward_ms": ..., "backward_ms": ..., "step_ms": ...}`` with the medians
+(wall time on an accelerator, the process's CPU time on CPU).
 The stage holds the embedding and the output layer too, so it is the slowest stage's cost
 (or above it), which sets a pipeline's pace.
 """
@@ -33,12 +34,18 @@ def _sync() -> None:
         torch.cuda.synchronize()  # time the kernels, not their launch
 
 
+def _clock() -> float:
+    """Wall time on an accelerator; on CPU this process's CPU time, which other jobs sharing
+    the cores do not inflate (with one thread, the time on a core of its own)."""
+    return time.perf_counter() if torch.cuda.is_available() else time.process_time()
+
+
 def _timed(fn):
     _sync()
-    start = time.perf_counter()
+    start = _clock()
     out = fn()
     _sync()
-    return time.perf_counter() - start, out
+    return _clock() - start, out
 
 
 def time_stage_actions(job, repeats: int, warmup: int) -> Dict[str, float]:
@@ -51,8 +58,9 @@ def time_stage_actions(job, repeats: int, warmup: int) -> Dict[str, float]:
     for i in range(warmup + repeats):
         model.zero_grad_buffer()
         job.optimizer.zero_grad()
+        batch = iter([next(job.train_data)])  # read outside the clock: time the model only
         fwd, (output, _) = _timed(lambda: mcore_schedules.forward_step(
-            job.forward_step, job.train_data, model, 1, None, [], config,
+            job.forward_step, batch, model, 1, None, [], config,
             cp_group_size=parallel_state.get_context_parallel_world_size(),
             is_first_microbatch=True, current_microbatch=0, is_last_stage=True))
         bwd, _ = _timed(lambda: mcore_schedules.backward_step(None, output, None, model_type,
