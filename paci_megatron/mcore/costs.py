@@ -8,7 +8,7 @@ data exactly as training does, then times ``--cost-repeats`` forwards and backwa
 micro-batch (Megatron's ``forward_step`` / ``backward_step``) and as many local steps (gradient
 finalisation, ``optimizer.step()``, zeroing), after ``--cost-warmup`` untimed rounds (reading a batch is not timed), and prints
 ``PACI_COSTS {"forward_ms": ..., "backward_ms": ..., "step_ms": ...}`` with the medians
-(wall time on an accelerator, the process's CPU time on CPU).
+(wall time on an accelerator; on CPU the process's CPU time with one thread).
 The stage holds the embedding and the output layer too, so it is the slowest stage's cost
 (or above it), which sets a pipeline's pace.
 """
@@ -94,6 +94,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.pipeline_model_parallel_size != 1 or args.pipeline_schedule != "1f1b":
         own.error("time one stage as a one-stage model: --pipeline-model-parallel-size 1 "
                   "--pipeline-schedule 1f1b")
+    if not torch.cuda.is_available():
+        # one thread: its CPU time is one core's work (idle OpenMP threads spinning on a busy
+        # machine would be counted as work)
+        torch.set_num_threads(1)
     job = training.setup(args, opts)
     costs = time_stage_actions(job, mine.cost_repeats, mine.cost_warmup)
     costs.update(repeats=mine.cost_repeats, layers=args.num_layers)
