@@ -22,7 +22,9 @@ wall time and projected accelerator time):
 
 The projection (``tta.py``) runs each schedule's action lists for this P and M through the
 lockstep simulator with per-action costs from ``--project-forward-ms`` /
-``--project-backward-ms`` / ``--project-step-ms`` (default 1 : 2 : 0).
+``--project-backward-ms`` / ``--project-step-ms`` (default 1 : 2 : 0), or, with
+``--project-costs measured``, timed before the runs on the real model: one stage's layers as a
+one-stage model with the run's flags (``mcore/costs.py``).
 """
 
 from __future__ import annotations
@@ -132,6 +134,58 @@ def run_shape(name: str, flags: Sequence[str], nproc: int) -> tta.RunShape:
         microbatches=args.num_microbatches, accumulation=args.paci_accumulation_factor,
         sync_iters=args.paci_sync_iters,
         virtual_chunks=args.virtual_pipeline_model_parallel_size or 1)
+
+
+# flags a one-stage timing launch must not inherit (value-taking, then switches)
+NOT_FOR_TIMING = ("--num-layers", "--pipeline-model-parallel-size", "--pipeline-schedule",
+                  "--num-layers-per-virtual-pipeline-stage", "--save", "--load",
+                  "--metrics-file", "--tensorboard-dir", "--exit-interval", "--save-interval",
+                  "--save-interval-minutes", "--paci-accumulation-factor", "--paci-max-drift",
+                  "--paci-sync-iters", "--paci-on-nonfinite", "--paci-drift-lr-damping",
+                  "--paci-drift-lr-anneal-iters", "--eval-interval")
+SWITCHES_NOT_FOR_TIMING = ("--paci-drain-before-eval", "--measure-memory",
+                           "--measure-activation-memory", "--override-opt_param-scheduler",
+                           "--use-checkpoint-opt_param-scheduler")
+
+
+def timing_flags(train_flags: Sequence[str], layers_per_stage: int) -> List[str]:
+    """The training flags for a one-stage model of ``layers_per_stage`` layers."""
+    out, skip = [], False
+    for f in train_flags:
+        if skip:
+            skip = False
+            continue
+        name = f.split("=", 1)[0]
+        if name in NOT_FOR_TIMING:
+            skip = "=" not in f
+            continue
+        if f not in SWITCHES_NOT_FOR_TIMING:
+            out.append(f)
+    return out + ["--num-layers", str(layers_per_stage), "--pipeline-model-parallel-size", "1",
+                  "--pipeline-schedule", "1f1b"]
+
+
+def measure_costs(train_flags: Sequence[str], shape: tta.RunShape, out: str,
+                  timeout: float) -> Dict[str, float]:
+    """Time one stage's forward, backward and step on the real model (one short launch of
+    a one-stage model with one stage's layers, tensor parallel as in the runs)."""
+    layers = int(_flag(train_flags, "--num-layers", "4"))
+    tp = int(_flag(train_flags, "--tensor-model-parallel-size", "1"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={tp}", "-m", "paci_megatron.mcore.costs",
+           *timing_flags(train_flags, layers // shape.num_stages)]
+    path = os.path.join(out, "costs.log")
+    with open(path, "w") as log:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
+                              timeout=timeout)
+        log.write(proc.stdout)
+    found = [l for l in proc.stdout.splitlines() if l.startswith("PACI_COSTS ")]
+    if proc.returncode != 0 or not found:
+        raise RuntimeError(f"timing the model failed (exit {proc.returncode}); see {path}")
+    costs = json.loads(found[-1][len("PACI_COSTS "):])
+    with open(os.path.join(out, "costs.json"), "w") as f:
+        json.dump(costs, f)
+    return costs
 
 
 def run_one(spec: RunSpec, seed: Optional[int], train_flags: List[str], out: str, nproc: int,
@@ -394,12 +448,17 @@ def build_parser() -> argparse.ArgumentParser:
                              "else the first run)")
     parser.add_argument("--targets", default="",
                         help="extra target validation losses, comma-separated")
+    parser.add_argument("--project-costs", choices=("flags", "measured"), default="flags",
+                        help="per-stage costs of the projection: the --project-*-ms flags "
+                             "(default), or timed on the real model before the runs (one "
+                             "stage's layers as a one-stage model, this machine)")
     parser.add_argument("--project-forward-ms", type=_non_negative("--project-forward-ms"),
-                        default=1.0, help="projected cost of one forward per stage")
+                        default=None, help="projected cost of one forward per stage (default 1)")
     parser.add_argument("--project-backward-ms", type=_non_negative("--project-backward-ms"),
-                        default=2.0, help="projected cost of one backward per stage")
+                        default=None, help="projected cost of one backward per stage (default 2)")
     parser.add_argument("--project-step-ms", type=_non_negative("--project-step-ms"),
-                        default=0.0, help="projected cost of one optimizer step per stage")
+                        default=None, help="projected cost of one optimizer step per stage "
+                                           "(default 0)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--nproc-per-node", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per run")
@@ -446,11 +505,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(str(exc))
 
 
-def compare(args, train_flags: List[str]) -> int:
+def _cost_flags(args) -> None:
+    """Fill the --project-*-ms defaults; refuse them beside --project-costs measured."""
+    given = [f"--project-{k}-ms" for k in ("forward", "backward", "step")
+             if getattr(args, f"project_{k}_ms") is not None]
+    if args.project_costs == "measured" and given:
+        raise CompareError(f"{', '.join(given)} and --project-costs measured both set the "
+                           "projection's costs; drop one")
+    for key, default in (("forward", 1.0), ("backward", 2.0), ("step", 0.0)):
+        if getattr(args, f"project_{key}_ms") is None:
+            setattr(args, f"project_{key}_ms", default)
     if args.project_forward_ms + args.project_backward_ms <= 0:
         raise CompareError("--project-forward-ms + --project-backward-ms must be > 0")
-    costs = Costs(args.project_forward_ms / 1e3, args.project_backward_ms / 1e3,
-                  args.project_step_ms / 1e3)
+
+
+def compare(args, train_flags: List[str]) -> int:
+    _cost_flags(args)
     try:
         extra_targets = [float(t) for t in args.targets.split(",") if t.strip()]
     except ValueError:
@@ -469,6 +539,18 @@ def compare(args, train_flags: List[str]) -> int:
     if base_name not in shapes:
         raise CompareError(f"--baseline {base_name}: no such run; runs: {', '.join(shapes)}")
     os.makedirs(args.out, exist_ok=True)
+    cost_source = "from the flags"
+    if args.project_costs == "measured":
+        print("timing one stage of the real model ...", flush=True)
+        timed = measure_costs(train_flags, shapes[base_name], args.out, args.timeout)
+        args.project_forward_ms, args.project_backward_ms, args.project_step_ms = (
+            timed["forward_ms"], timed["backward_ms"], timed["step_ms"])
+        cost_source = (f"measured on the real model (median of {timed['repeats']}; a one-stage "
+                       f"model of {timed['layers']} layers with the embedding and output layer)")
+        print(f"measured costs per stage: forward {timed['forward_ms']:.3f} ms, backward "
+              f"{timed['backward_ms']:.3f} ms, step {timed['step_ms']:.3f} ms", flush=True)
+    costs = Costs(args.project_forward_ms / 1e3, args.project_backward_ms / 1e3,
+                  args.project_step_ms / 1e3)
     runs: Dict[str, List[Dict]] = {}
     for spec in specs:
         for seed in seeds:
@@ -494,9 +576,9 @@ def compare(args, train_flags: List[str]) -> int:
         f.write(f"Targets are per seed (the {base_name} run of the same seed). A run reaches a "
                 "target where its validation curve first gets to it, interpolated linearly "
                 "between evaluations. Projected time: each schedule's action lists for this P "
-                f"and M in the lockstep simulator, forward {args.project_forward_ms:g} ms, "
-                f"backward {args.project_backward_ms:g} ms, step {args.project_step_ms:g} ms "
-                "per stage, steady state (--paci-sync-iters iterations at 1F1B's pace; "
+                f"and M in the lockstep simulator, forward {args.project_forward_ms:.4g} ms, "
+                f"backward {args.project_backward_ms:.4g} ms, step {args.project_step_ms:.4g} ms "
+                f"per stage ({cost_source}), steady state (--paci-sync-iters iterations at 1F1B's pace; "
                 "projected s/iteration is the pace after them); interleaved from its closed "
                 "form.\n\n")
         for p in plots:

@@ -22,6 +22,8 @@ class ScheduleOptions:
     data_parallel_size: int = 1
     on_nonfinite: str = "skip"
     sync_iters: int = 0  # --paci-sync-iters: stock 1F1B for the first K iterations
+    drift_lr_damping: float = 0.0  # --paci-drift-lr-damping C
+    drift_lr_anneal_iters: int = 0  # --paci-drift-lr-anneal-iters N
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,9 @@ def _make_paci(opts: ScheduleOptions):
     from .mcore.runtime import PaciRuntime
 
     return PaciRuntime(accumulation=opts.accumulation, max_drift=opts.max_drift,
-                       on_nonfinite=opts.on_nonfinite, sync_calls=opts.sync_iters)
+                       on_nonfinite=opts.on_nonfinite, sync_calls=opts.sync_iters,
+                       drift_lr_damping=opts.drift_lr_damping,
+                       drift_lr_anneal_iters=opts.drift_lr_anneal_iters)
 
 
 def default_registry() -> ScheduleRegistry:

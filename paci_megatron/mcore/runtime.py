@@ -36,6 +36,7 @@ class StepRecord:
     update_successful: bool
     grad_norm: Optional[float]
     lr: Optional[float]
+    lr_factor: float = 1.0  # --paci-drift-lr-damping's factor applied to this step's LR
 
 
 @dataclass
@@ -262,6 +263,33 @@ def _sub_optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
+def drift_lr_factor(damping: float, anneal_iters: int, iteration: int,
+                    mean_drift: float) -> float:
+    """--paci-drift-lr-damping C: 1 / (1 + C w mean_drift), w fading linearly from 1 at
+    iteration 0 to 0 at ``anneal_iters`` (w = 1 throughout when it is 0). A step whose
+    gradients all come from forwards on the current weights (drift 0) is never damped."""
+    weight = 1.0 if anneal_iters <= 0 else max(0.0, 1.0 - iteration / anneal_iters)
+    return 1.0 / (1.0 + damping * weight * mean_drift)
+
+
+@contextlib.contextmanager
+def scaled_lr(optimizer, factor: float):
+    """Every param group's LR times ``factor`` for one step, then exactly as before: the LR
+    scheduler (its sample count and what it sets next) never sees the damping."""
+    if factor == 1.0:
+        yield
+        return
+    groups = [g for opt in _sub_optimizers(optimizer) for g in opt.param_groups]
+    saved = [g["lr"] for g in groups]
+    for g in groups:
+        g["lr"] = g["lr"] * factor
+    try:
+        yield
+    finally:
+        for g, lr in zip(groups, saved):
+            g["lr"] = lr
+
+
 class PaciRuntime:
     """Keeps one never-flushing pipeline stream across forward-backward calls.
 
@@ -272,7 +300,8 @@ class PaciRuntime:
     """
 
     def __init__(self, *, accumulation: int, kind: str = "paci", max_drift: Optional[int] = None,
-                 on_nonfinite: str = "skip", sync_calls: int = 0):
+                 on_nonfinite: str = "skip", sync_calls: int = 0,
+                 drift_lr_damping: float = 0.0, drift_lr_anneal_iters: int = 0):
         if kind not in ("paci", "flush"):
             raise ValueError(f"unknown runtime kind {kind!r}")
         self.kind = kind
@@ -287,6 +316,8 @@ class PaciRuntime:
         self.plan: Optional[StreamPlan] = None
         self.call_index = 0
         self.sync_calls = sync_calls
+        self.drift_lr_damping = drift_lr_damping
+        self.drift_lr_anneal_iters = drift_lr_anneal_iters
         self.calls_done = 0  # training calls since the start of the run (drains keep it)
         self._stock_grad_groups: list = []
         self.state = StageState()
@@ -389,8 +420,9 @@ class PaciRuntime:
         model = self._model
         config = get_model_config(model)
         config.finalize_model_grads_func([model], None, pg_collection=self.pg)
+        factor = self.lr_factor_now()
         if grads_are_finite(model, stage_grad_stats_group(self.optimizer)):
-            with self._keep_versions_if_in_flight():
+            with self._keep_versions_if_in_flight(), scaled_lr(self.optimizer, factor):
                 ok, grad_norm, _zeros = self.optimizer.step()
         else:
             self.skip_nonfinite_step(mb)
@@ -403,7 +435,16 @@ class PaciRuntime:
         model.zero_grad_buffer()
         self.optimizer.zero_grad()
         self.fresh_weights = True
-        self.steps.append(StepRecord(mb, bool(ok), None if grad_norm is None else float(grad_norm), lr))
+        self.steps.append(StepRecord(mb, bool(ok), None if grad_norm is None else float(grad_norm), lr,
+                                     factor))
+
+    def lr_factor_now(self) -> float:
+        """The drift damping of the step about to be taken: stage-local (this stage's own
+        drift) and a function of the iteration, so a resumed run takes the same factors."""
+        if not self.drift_lr_damping:
+            return 1.0
+        return drift_lr_factor(self.drift_lr_damping, self.drift_lr_anneal_iters,
+                               self.calls_done, self.drift.group_mean_drift)
 
     def _keep_versions_if_in_flight(self):
         """Only graphs of in-flight forwards hold the weights; with none (P=1, the last
@@ -514,9 +555,17 @@ class PaciRuntime:
 
     # reporting ---------------------------------------------------------------------------------
     def drift_summary(self) -> dict:
-        return {"stage": self.stage, "max": self.drift.max, "bound": self.drift.bound,
-                "histogram": dict(sorted(self.drift.histogram.items())),
-                "steps": self.drift.version, "skipped_steps": self.skipped_steps}
+        row = {"stage": self.stage, "max": self.drift.max, "bound": self.drift.bound,
+               "histogram": dict(sorted(self.drift.histogram.items())),
+               "steps": self.drift.version, "skipped_steps": self.skipped_steps}
+        if self.drift_lr_damping:
+            factors = [r.lr_factor for r in self.steps]
+            row["lr_factor"] = {
+                "min": min(factors, default=1.0), "max": max(factors, default=1.0),
+                "mean": sum(factors) / len(factors) if factors else 1.0,
+                "last": factors[-1] if factors else 1.0,
+                "damped_steps": sum(f != 1.0 for f in factors)}
+        return row
 
 
 # --- wiring into Megatron -------------------------------------------------------------------

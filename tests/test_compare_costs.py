@@ -1,0 +1,65 @@
+"""``compare --project-costs measured``: one stage of the real model is timed before the runs
+(a one-stage model of L/P layers with the run's flags), and the projection uses exactly those
+costs; the report and stdout say so."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from launch import REPO
+from paci_megatron import tta
+from paci_megatron.compare import CompareError, build_parser, _cost_flags, timing_flags
+from paci_megatron.simulate import Costs
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare_costs") / "report"
+    proc = subprocess.run(
+        [sys.executable, "-m", "paci_megatron.compare", "--schedules", "paci",
+         "--project-costs", "measured", "--timeout", "400", "--out", str(out), "--",
+         "--untie-embeddings-and-output-weights", "--num-layers", "4", "--hidden-size", "32",
+         "--seq-length", "16", "--train-iters", "2", "--paci-drift-lr-damping", "1"],
+        capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return out, proc.stdout
+
+
+def test_the_projection_uses_the_measured_costs(measured):
+    out, stdout = measured
+    costs = json.loads((out / "costs.json").read_text())
+    assert costs["layers"] == 2 and costs["repeats"] == 8  # 4 layers over P=2
+    assert all(costs[k] > 0 for k in ("forward_ms", "backward_ms", "step_ms"))
+    assert (f"measured costs per stage: forward {costs['forward_ms']:.3f} ms, backward "
+            f"{costs['backward_ms']:.3f} ms, step {costs['step_ms']:.3f} ms") in stdout
+    # P=2, M=8, a=8: the simulator's PACI pace with exactly these costs
+    shape = tta.RunShape("paci", 2, 8, 8)
+    _, paci = tta.seconds_per_iteration(shape, Costs(costs["forward_ms"] / 1e3,
+                                                     costs["backward_ms"] / 1e3,
+                                                     costs["step_ms"] / 1e3))
+    report = (out / "report.md").read_text()
+    row = next(l for l in report.splitlines() if l.startswith("| paci |"))
+    assert row.split("|")[7].strip() == f"{paci:.4g}"
+    assert "measured on the real model (median of 8; a one-stage model of 2 layers" in report
+
+
+def test_timing_flags_make_a_one_stage_model():
+    flags = ["--num-layers", "8", "--hidden-size", "64", "--save", "ckpt", "--paci-sync-iters",
+             "3", "--pipeline-model-parallel-size=4", "--measure-memory", "--lr", "1e-3"]
+    assert timing_flags(flags, 2) == ["--hidden-size", "64", "--lr", "1e-3", "--num-layers", "2",
+                                      "--pipeline-model-parallel-size", "1",
+                                      "--pipeline-schedule", "1f1b"]
+
+
+def test_measured_costs_and_cost_flags_are_exclusive():
+    args = build_parser().parse_args(["--out", "x", "--project-costs", "measured",
+                                      "--project-step-ms", "3"])
+    with pytest.raises(CompareError, match="--project-step-ms and --project-costs measured"):
+        _cost_flags(args)
+    args = build_parser().parse_args(["--out", "x"])
+    _cost_flags(args)
+    assert (args.project_forward_ms, args.project_backward_ms, args.project_step_ms) == (1, 2, 0)
