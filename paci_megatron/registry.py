@@ -22,6 +22,10 @@ class ScheduleOptions:
     data_parallel_size: int = 1
     on_nonfinite: str = "skip"
     sync_iters: int = 0  # --paci-sync-iters: stock 1F1B for the first K iterations
+    # --paci-accumulation-factor auto: decide every adapt_interval iterations (0: fixed a)
+    adapt_interval: int = 0
+    adapt_tolerance: float = 0.0
+    adapt_policy: str = "staleness"
 
 
 @dataclass(frozen=True)
@@ -83,10 +87,18 @@ def _check_paci(opts: ScheduleOptions) -> None:
 
 
 def _make_paci(opts: ScheduleOptions):
+    from .adapt import Adaptive, candidates
     from .mcore.runtime import PaciRuntime
 
+    adaptive = None
+    if opts.adapt_interval:
+        adaptive = Adaptive(
+            opts.pipeline_size, opts.num_microbatches,
+            candidates(opts.pipeline_size, opts.num_microbatches, opts.max_drift),
+            opts.adapt_interval, opts.adapt_tolerance, opts.adapt_policy)
     return PaciRuntime(accumulation=opts.accumulation, max_drift=opts.max_drift,
-                       on_nonfinite=opts.on_nonfinite, sync_calls=opts.sync_iters)
+                       on_nonfinite=opts.on_nonfinite, sync_calls=opts.sync_iters,
+                       adaptive=adaptive)
 
 
 def default_registry() -> ScheduleRegistry:
