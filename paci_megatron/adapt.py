@@ -19,8 +19,11 @@ backward, so the staleness of stage s at factor a is ``r x (P-1-s) / a``, with r
 measured relative weight change per step (Adam-like optimisers move each weight by about the
 learning rate per step whatever the batch, so r is taken as independent of a). The policy
 takes the smallest candidate a (the most updates per sample) whose predicted staleness stays
-within ``--paci-adapt-tolerance``: a = M early, while the weights move fast (the early gap to
-1F1B is what it damps), smaller a later as the learning rate decays.
+within a tolerance: ``--paci-adapt-tolerance``, or by default the largest staleness plain PACI
+(a = N) would have had so far, i.e. the peak signal / N. So a = N early, while the weights
+move fast (the early gap to 1F1B is what it damps), and smaller a later, as the learning rate
+decays and the weights settle: auto never lets a stale gradient get worse than plain PACI's
+worst, and spends the slack on more (smaller) updates.
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ class Adaptive:
     current: int = 0
     decisions: int = 0
     last_signal: Optional[float] = None  # the latest reduced staleness (all ranks' max)
+    peak_signal: float = 0.0  # the largest so far: sets the tolerance when none is given
     factors: List[int] = field(default_factory=list)  # a of every training call so far
     changes: List[Tuple[int, int]] = field(default_factory=list)  # (first call, a)
 
@@ -115,7 +119,10 @@ class Adaptive:
             self.decisions += 1
             return cycle_factor(self.decisions, self.options)
         self.decisions += 1
-        return choose_factor(signal, self.options, self.tolerance)
+        if math.isfinite(signal):
+            self.peak_signal = max(self.peak_signal, signal)
+        tolerance = self.tolerance or self.peak_signal / self.per_call
+        return choose_factor(signal, self.options, tolerance)
 
     def record_call(self, call: int, factor: int) -> None:
         while len(self.factors) < call:  # calls from before a --load: unknown, take this a

@@ -209,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--paci-adapt-tolerance", type=_bounded_float(
         "--paci-adapt-tolerance", low_open=True), default=None,
         help="with --paci-accumulation-factor auto: largest predicted staleness (relative "
-             "weight change per step x steps in flight) of the smallest a taken (default 0.01)")
+             "weight change per step x steps in flight) of the smallest a taken (default: "
+             "the largest a = N staleness measured so far, i.e. never above plain PACI's)")
     g.add_argument("--paci-adapt-policy", choices=["staleness", "cycle"], default=None,
                    help="with --paci-accumulation-factor auto: staleness (default) or cycle "
                         "(each decision takes the next candidate, largest first: a test "
@@ -301,7 +302,7 @@ def validate(args: argparse.Namespace, world_size: int) -> ScheduleOptions:
         accumulation=args.paci_accumulation_factor, max_drift=args.paci_max_drift,
         micro_batch_size=args.micro_batch_size, data_parallel_size=dp,
         on_nonfinite=args.paci_on_nonfinite, sync_iters=args.paci_sync_iters,
-        adapt_interval=adapt_interval, adapt_tolerance=args.paci_adapt_tolerance or 0.0,
+        adapt_interval=adapt_interval, adapt_tolerance=args.paci_adapt_tolerance,
         adapt_policy=args.paci_adapt_policy or "staleness",
     )
     if args.paci_sync_iters and args.pipeline_schedule != "paci":
@@ -319,7 +320,8 @@ def validate(args: argparse.Namespace, world_size: int) -> ScheduleOptions:
     return opts
 
 
-ADAPT_DEFAULTS = {"paci_adapt_interval": 10, "paci_adapt_tolerance": 0.01,
+# tolerance 0: plain PACI's peak staleness so far (see adapt.py)
+ADAPT_DEFAULTS = {"paci_adapt_interval": 10, "paci_adapt_tolerance": 0.0,
                   "paci_adapt_policy": "staleness"}
 
 
