@@ -62,7 +62,7 @@ def _probability(name: str):
 
 
 def _factor_or_auto(text: str):
-    """--paci-accumulation-factor: a whole number >= 1, or auto."""
+    """--paci-accumulation-factor: a whole number, or auto."""
     if text.strip() == "auto":
         return "auto"
     try:
@@ -70,10 +70,7 @@ def _factor_or_auto(text: str):
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"--paci-accumulation-factor takes a whole number or auto, got {text!r}")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"--paci-accumulation-factor must be >= 1 or auto, "
-                                         f"got {value}")
-    return value
+    return value  # its range is checked with the schedule (registry._check_paci)
 
 
 def _path(name: str):

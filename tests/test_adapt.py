@@ -8,7 +8,7 @@ import math
 import pytest
 
 from paci_megatron import adapt
-from paci_megatron.arguments import ConfigError, build_parser, validate
+from paci_megatron.arguments import ConfigError, build_parser, parse_and_validate, validate
 from paci_megatron.schedule import Op, Schedule, drift_bound, exchanges, plan_stream
 from paci_megatron.simulate import NcclModel, run_lockstep, run_nccl
 
@@ -179,5 +179,5 @@ def test_auto_flags_misused_are_refused(flags, message):
 @pytest.mark.parametrize("value", ["automatic", "0", "-2", "", "1.5"])
 def test_bad_factor_values_name_the_flag(value, capsys):
     with pytest.raises(SystemExit):
-        build_parser().parse_args(BASE + ["--paci-accumulation-factor", value])
+        parse_and_validate(BASE + ["--paci-accumulation-factor", value], world_size=4)
     assert "--paci-accumulation-factor" in capsys.readouterr().err
