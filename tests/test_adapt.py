@@ -181,3 +181,24 @@ def test_bad_factor_values_name_the_flag(value, capsys):
     with pytest.raises(SystemExit):
         parse_and_validate(BASE + ["--paci-accumulation-factor", value], world_size=4)
     assert "--paci-accumulation-factor" in capsys.readouterr().err
+
+
+def test_weight_change_per_step_is_measured_on_a_fixed_sample():
+    """The signal's r: ||w_new - w_old|| / ||w_old|| over a strided sample (~256 entries a
+    parameter), averaged over the steps since the last take."""
+    import torch
+
+    from paci_megatron.mcore.runtime import WeightChange
+
+    w, b = torch.ones(1000), torch.full((3,), 2.0)
+    probe = WeightChange()
+    for scale in (1.01, 1.03):
+        probe.before((w, b))
+        w.mul_(scale), b.mul_(scale)
+        probe.after((w, b))
+    assert probe.take() == pytest.approx(0.02, rel=1e-5)
+    assert probe.take() == 0.0
+    probe.before((w, b))
+    w[1] += 100.0  # off the sample (every 3rd entry of 1000): unseen
+    probe.after((w, b))
+    assert probe.take() == 0.0
