@@ -61,6 +61,18 @@ def _probability(name: str):
     return _bounded_float(name, 0.0, 1.0, high_open=True)
 
 
+def _factor_or_auto(text: str):
+    """--paci-accumulation-factor: a whole number, or auto."""
+    if text.strip() == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--paci-accumulation-factor takes a whole number or auto, got {text!r}")
+    return value  # its range is checked with the schedule (registry._check_paci)
+
+
 def _path(name: str):
     def parse(text: str) -> str:
         if not text.strip():
@@ -183,9 +195,23 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("pipeline schedule")
     g.add_argument("--pipeline-schedule", default="paci",
                    help=f"one of {SCHEDULES.names()} (default: paci)")
-    g.add_argument("--paci-accumulation-factor", type=int, default=None,
+    g.add_argument("--paci-accumulation-factor", type=_factor_or_auto, default=None,
                    help="backward passes per local optimizer step (default: micro-batches per "
-                        "global batch)")
+                        "global batch); auto: chosen at iteration boundaries among the "
+                        "divisors of the micro-batches per batch within --paci-max-drift "
+                        "(see README, 'Adaptive accumulation factor')")
+    g.add_argument("--paci-adapt-interval", type=_positive("--paci-adapt-interval"),
+                   default=None, help="with --paci-accumulation-factor auto: iterations "
+                   "between two decisions (default 10)")
+    g.add_argument("--paci-adapt-tolerance", type=_bounded_float(
+        "--paci-adapt-tolerance", low_open=True), default=None,
+        help="with --paci-accumulation-factor auto: largest predicted staleness (relative "
+             "weight change per step x steps in flight) of the smallest a taken (default: "
+             "the largest a = N staleness measured so far, i.e. never above plain PACI's)")
+    g.add_argument("--paci-adapt-policy", choices=["staleness", "cycle"], default=None,
+                   help="with --paci-accumulation-factor auto: staleness (default) or cycle "
+                        "(each decision takes the next candidate, largest first: a test "
+                        "policy that changes a regardless of the signal)")
     g.add_argument("--paci-max-drift", type=int, default=None,
                    help="largest tolerated drift; default: the bound ceil((P-1-s)/a)")
     g.add_argument("--paci-drain-before-eval", action="store_true",
@@ -270,8 +296,9 @@ def validate(args: argparse.Namespace, world_size: int) -> ScheduleOptions:
         raise ConfigError(f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
     if args.min_lr > args.lr:
         raise ConfigError(f"--min-lr {args.min_lr} is above --lr {args.lr}")
-    if args.paci_accumulation_factor is None:
-        args.paci_accumulation_factor = num_mb
+    adapt_interval = _adaptive_flags(args)
+    if args.paci_accumulation_factor is None or adapt_interval:
+        args.paci_accumulation_factor = num_mb  # auto starts at a = N (fewest stale)
     try:
         entry = SCHEDULES.get(args.pipeline_schedule)
     except ValueError as exc:
@@ -283,6 +310,8 @@ def validate(args: argparse.Namespace, world_size: int) -> ScheduleOptions:
         on_nonfinite=args.paci_on_nonfinite, sync_iters=args.paci_sync_iters,
         drift_lr_damping=args.paci_drift_lr_damping,
         drift_lr_anneal_iters=args.paci_drift_lr_anneal_iters,
+        adapt_interval=adapt_interval, adapt_tolerance=args.paci_adapt_tolerance,
+        adapt_policy=args.paci_adapt_policy or "staleness",
     )
     _check_drift_lr_flags(args)
     if args.paci_sync_iters and args.pipeline_schedule != "paci":
@@ -307,6 +336,29 @@ def _check_drift_lr_flags(args) -> None:
     if args.paci_drift_lr_anneal_iters and not args.paci_drift_lr_damping:
         raise ConfigError(f"--paci-drift-lr-anneal-iters {args.paci_drift_lr_anneal_iters} has "
                           "nothing to fade; add --paci-drift-lr-damping C (C > 0) or drop it")
+
+
+# tolerance 0: plain PACI's peak staleness so far (see adapt.py)
+ADAPT_DEFAULTS = {"paci_adapt_interval": 10, "paci_adapt_tolerance": 0.0,
+                  "paci_adapt_policy": "staleness"}
+
+
+def _adaptive_flags(args) -> int:
+    """--paci-accumulation-factor auto: fill its flags' defaults, note it in
+    ``args.paci_adaptive`` and return the decision interval (0 without auto)."""
+    auto = args.paci_accumulation_factor == "auto"
+    args.paci_adaptive = auto
+    if auto and args.pipeline_schedule != "paci":
+        raise ConfigError(f"--paci-accumulation-factor auto only applies to --pipeline-schedule "
+                          f"paci, not {args.pipeline_schedule}; drop it")
+    for attr, default in ADAPT_DEFAULTS.items():
+        flag = "--" + attr.replace("_", "-")
+        if getattr(args, attr) is not None and not auto:
+            raise ConfigError(f"{flag} only applies with --paci-accumulation-factor auto; "
+                              "drop it or add --paci-accumulation-factor auto")
+        if auto and getattr(args, attr) is None:
+            setattr(args, attr, default)
+    return args.paci_adapt_interval if auto else 0
 
 
 def _validate_data_and_outputs(args) -> None:

@@ -24,6 +24,10 @@ class ScheduleOptions:
     sync_iters: int = 0  # --paci-sync-iters: stock 1F1B for the first K iterations
     drift_lr_damping: float = 0.0  # --paci-drift-lr-damping C
     drift_lr_anneal_iters: int = 0  # --paci-drift-lr-anneal-iters N
+    # --paci-accumulation-factor auto: decide every adapt_interval iterations (0: fixed a)
+    adapt_interval: int = 0
+    adapt_tolerance: float = 0.0
+    adapt_policy: str = "staleness"
 
 
 @dataclass(frozen=True)
@@ -85,12 +89,20 @@ def _check_paci(opts: ScheduleOptions) -> None:
 
 
 def _make_paci(opts: ScheduleOptions):
+    from .adapt import Adaptive, candidates
     from .mcore.runtime import PaciRuntime
 
+    adaptive = None
+    if opts.adapt_interval:
+        adaptive = Adaptive(
+            opts.pipeline_size, opts.num_microbatches,
+            candidates(opts.pipeline_size, opts.num_microbatches, opts.max_drift),
+            opts.adapt_interval, opts.adapt_tolerance, opts.adapt_policy)
     return PaciRuntime(accumulation=opts.accumulation, max_drift=opts.max_drift,
                        on_nonfinite=opts.on_nonfinite, sync_calls=opts.sync_iters,
                        drift_lr_damping=opts.drift_lr_damping,
-                       drift_lr_anneal_iters=opts.drift_lr_anneal_iters)
+                       drift_lr_anneal_iters=opts.drift_lr_anneal_iters,
+                       adaptive=adaptive)
 
 
 def default_registry() -> ScheduleRegistry:

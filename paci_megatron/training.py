@@ -394,6 +394,10 @@ def _log_iteration(job: Job, step: Dict, elapsed_ms: float) -> None:
     drift_text = f" | PACI drift max (this stage) {drift[-1]}" if drift is not None else ""
     if skipped[-1]:
         drift_text += f" | skipped (non-finite) steps (this stage) {skipped[-1]}"
+    factor = _factor_in_force(job)
+    adaptive = job.runtime.adaptive if job.runtime is not None else None
+    if adaptive is not None:
+        drift_text += f" | PACI a {factor}"
     eta_s = int(elapsed_ms / 1000.0 * (args.train_iters - job.iteration))
     drift_text += f" | ETA {eta_s // 3600:d}:{eta_s // 60 % 60:02d}:{eta_s % 60:02d}"
     _log(f" iteration {job.iteration:8d}/{args.train_iters:8d} | consumed samples "
@@ -405,7 +409,16 @@ def _log_iteration(job: Job, step: Dict, elapsed_ms: float) -> None:
                          "lm_loss": step["loss"], "lr": lr, "elapsed_ms": elapsed_ms,
                          "tokens_per_sec": tokens_per_s, "grad_norm": step["grad_norm"],
                          "max_drift": drift if drift is not None else [0] * job.info["pp_size"],
-                         "skipped_steps": skipped})
+                         "skipped_steps": skipped, **({} if factor is None else
+                                                      {"accumulation_factor": factor}),
+                         **({} if adaptive is None else
+                            {"paci_staleness": adaptive.last_signal})})
+
+
+def _factor_in_force(job: Job) -> Optional[int]:
+    """The accumulation factor of the iteration just run (PACI; all stages use the same)."""
+    plan = job.runtime.plan if job.runtime is not None else None
+    return plan.accumulation if plan is not None else None
 
 
 def train(args, opts: ScheduleOptions) -> Dict:
@@ -419,7 +432,9 @@ def train(args, opts: ScheduleOptions) -> Dict:
              f"{getattr(fb, '__qualname__', repr(fb))}")
         _log(f"> schedule {args.pipeline_schedule}: P={job.info['pp_size']} "
              f"TP={job.info['tp_size']} DP={job.info['dp_size']} micro-batches/iteration="
-             f"{args.num_microbatches} a={opts.accumulation}"
+             f"{args.num_microbatches} a="
+             + (f"auto (from {opts.accumulation}, every {opts.adapt_interval} iterations, "
+                f"policy {opts.adapt_policy})" if opts.adapt_interval else f"{opts.accumulation}")
              + (f", stock 1F1B for the first {opts.sync_iters} iterations (--paci-sync-iters)"
                 if opts.sync_iters else "")
              + (f", drift LR damping {opts.drift_lr_damping:g}" + (

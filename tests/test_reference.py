@@ -19,7 +19,8 @@ pytestmark = pytest.mark.dist
 
 WORKER = "tests/workers/reference_cases.py"
 PP_ONLY = ["p2_a4", "p2_a2", "p2_bf16", "p2_distopt", "p2_drain_eval",
-           "p4_a4", "p4_a1", "p4_bf16", "p4_recompute", "p4_eval_nodrain", "p4_drain_eval"]
+           "p4_a4", "p4_a1", "p4_bf16", "p4_recompute", "p4_eval_nodrain", "p4_drain_eval",
+           "p4_auto"]
 PARALLEL = ["p2_dp2", "p2_dp2_distopt", "p2_tp2"]  # 2 emulator processes, 4 runtime ones
 RUNTIME_P2 = [c for c in PP_ONLY if c.startswith("p2")]
 RUNTIME_P4 = [c for c in PP_ONLY if c.startswith("p4")] + PARALLEL
@@ -53,7 +54,7 @@ def test_runtime_equals_emulator_bit_for_bit(case, results):
     emulated, real = results(case, "emulator"), results(case, "runtime")
     cfg = next(iter(real.values()))["config"]
     assert sorted(emulated) == sorted(real) == sorted(_coords(cfg))
-    steps_per_stage = cfg["calls"] * cfg["n"] // cfg["a"]
+    steps_per_stage = sum(cfg["n"] // a for a in cfg["factors"] or [cfg["a"]] * cfg["calls"])
     for coord, r in real.items():
         e = emulated[coord]
         last = coord.startswith(f"pp{cfg['pp'] - 1}")

@@ -240,6 +240,15 @@ class PipelineEmulator:
                                    lr, weights_sha256([model])))
 
     # calls, like Megatron's forward-backward function -----------------------------------------
+    def set_accumulation(self, accumulation: int) -> None:
+        """--paci-accumulation-factor auto between two calls: the next calls run the plan of
+        ``accumulation`` (the same messages), scale losses by its 1/a and step the LR by a x
+        micro-batch x DP samples."""
+        self.lr_increment = self.lr_increment * accumulation // self.accumulation
+        self.accumulation = accumulation
+        if self.plan is not None:
+            self.plan = plan_stream(self.kind, self.num_stages, accumulation, self.plan.per_call)
+
     def train_call(self, num_microbatches: int) -> List[Dict]:
         """One training iteration: every stage runs its list up to its next N backwards.
         Returns the last stage's loss records of this call, in micro-batch order."""

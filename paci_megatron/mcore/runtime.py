@@ -20,6 +20,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_model_config, get_model_type
 
+from ..adapt import Adaptive, bound_in_call, staleness
 from ..autograd_versions import ZERO_CENTERED_GAMMA, keep_version_counters
 from ..executor import DriftStats, ReplayIterator, StageExecutor
 from ..schedule import (Action, Op, StreamPlan, check_max_drift, drift_bound, exchanges,
@@ -259,6 +260,39 @@ def stage_grad_stats_group(optimizer) -> Any:
     return parallel_state.get_tensor_model_parallel_group()
 
 
+class WeightChange:
+    """The relative weight change of a local step, ||w_new - w_old|| / ||w_old||, estimated on
+    a fixed strided sample of about 256 entries per parameter (no copy of the weights), and
+    averaged over the steps since the last ``take``."""
+
+    SAMPLE = 256
+
+    def __init__(self):
+        self._old: list = []
+        self._sum = 0.0
+        self._count = 0
+
+    def _sample(self, params) -> list:
+        return [p.detach().reshape(-1)[::max(1, p.numel() // self.SAMPLE)].float().clone()
+                for p in params]
+
+    def before(self, params) -> None:
+        self._old = self._sample(params)
+
+    def after(self, params) -> None:
+        new = self._sample(params)
+        moved = sum(float((n - o).square().sum()) for n, o in zip(new, self._old))
+        size = sum(float(o.square().sum()) for o in self._old)
+        self._sum += (moved / size) ** 0.5 if size > 0 else 0.0
+        self._count += 1
+        self._old = []
+
+    def take(self) -> float:
+        mean = self._sum / self._count if self._count else 0.0
+        self._sum, self._count = 0.0, 0
+        return mean
+
+
 def _sub_optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
@@ -301,7 +335,8 @@ class PaciRuntime:
 
     def __init__(self, *, accumulation: int, kind: str = "paci", max_drift: Optional[int] = None,
                  on_nonfinite: str = "skip", sync_calls: int = 0,
-                 drift_lr_damping: float = 0.0, drift_lr_anneal_iters: int = 0):
+                 drift_lr_damping: float = 0.0, drift_lr_anneal_iters: int = 0,
+                 adaptive: Optional[Adaptive] = None):
         if kind not in ("paci", "flush"):
             raise ValueError(f"unknown runtime kind {kind!r}")
         self.kind = kind
@@ -335,8 +370,16 @@ class PaciRuntime:
         if kind == "paci":
             check_max_drift(pp, accumulation, max_drift)
         self.drift = DriftStats(self.stage, bound if max_drift is None else max_drift)
+        self.max_drift = max_drift
         self.pg = pipeline_groups()
         self.p2p: Optional[P2PCommunicator] = None
+        # --paci-accumulation-factor auto: ``accumulation`` stays the base that lr_increment
+        # counts (N); ``factor`` is the a in force
+        self.adaptive = adaptive if kind == "paci" else None
+        self.factor = adaptive.current if self.adaptive else accumulation
+        self._pending = None  # (all-reduce work, its tensor, the call it applies from)
+        self._change = WeightChange() if self.adaptive else None
+        self.call_drift: Dict[int, int] = {}  # --paci-accumulation-factor auto: call -> max
 
     # wiring ----------------------------------------------------------------------------------
     def bind(self, optimizer, lr_scheduler=None, lr_increment: Optional[int] = None) -> None:
@@ -369,7 +412,7 @@ class PaciRuntime:
         1/N, LR advanced by the whole batch, grad norm over all stages)."""
         if self._next_kind() != self.kind:
             return plan_stream("flush", self.num_stages, per_call, per_call)
-        return plan_stream(self.kind, self.num_stages, self.accumulation, per_call)
+        return plan_stream(self.kind, self.num_stages, self.factor, per_call)
 
     def _lr_increment_now(self) -> Optional[int]:
         """``lr_increment`` counts the samples of ``accumulation`` backwards; a step of the
@@ -422,8 +465,12 @@ class PaciRuntime:
         config.finalize_model_grads_func([model], None, pg_collection=self.pg)
         factor = self.lr_factor_now()
         if grads_are_finite(model, stage_grad_stats_group(self.optimizer)):
+            if self._change is not None:
+                self._change.before(self._params)
             with self._keep_versions_if_in_flight(), scaled_lr(self.optimizer, factor):
                 ok, grad_norm, _zeros = self.optimizer.step()
+            if self._change is not None:
+                self._change.after(self._params)
         else:
             self.skip_nonfinite_step(mb)
             ok, grad_norm = False, float("nan")
@@ -526,16 +573,59 @@ class PaciRuntime:
         elif data_iterator is not self.data.base:
             raise RuntimeError("the data iterator changed while micro-batches were in flight; "
                                "call drain() first")
+        if self.adaptive is not None:
+            self._adapt_before_call()
         store: list = []
         handlers = MegatronHandlers(self, forward_step_func=forward_step_func, data=self.data,
                                     model=model, tensor_shape=self.tensor_shape,
                                     forward_data_store=store)
         actions = self.plan.call(self.call_index)[self.stage]
+        before = dict(self.drift.histogram) if self.adaptive is not None else None
         StageExecutor(self.stage, handlers, self.drift).run(actions)
         handlers.reap_sends(wait=True)
         self.call_index += 1
         self.calls_done += 1
+        if self.adaptive is not None:
+            self._adapt_after_call(before)
         return store
+
+    # --paci-accumulation-factor auto -----------------------------------------------------------
+    def _adapt_before_call(self) -> None:
+        """Apply a decision that is due (every rank applies it at the same call), swap in the
+        plan of the new a (same messages, steps elsewhere) and set the drift guard to the bound
+        of this call: the smaller a's while micro-batches forwarded under it are in flight."""
+        ad = self.adaptive
+        if self._pending is not None and self._pending[2] <= self.calls_done:
+            work, signal, _ = self._pending
+            work.wait()
+            self._pending = None
+            ad.current = ad.decide(float(signal.item()))
+        if self.plan.kind == "paci" and ad.current != self.plan.accumulation:
+            self.factor = ad.current
+            self.plan = plan_stream("paci", self.num_stages, self.factor, self.plan.per_call)
+        factor = self.plan.accumulation
+        ad.record_call(self.calls_done, factor)
+        if self.max_drift is None and self.plan.kind == "paci":
+            self.drift.bound = bound_in_call(self.num_stages, self.stage, self.plan.per_call,
+                                             ad.factors, self.calls_done)
+
+    def _adapt_after_call(self, before: Dict[int, int]) -> None:
+        """Record this call's largest drift; every ``interval`` calls send this stage's
+        staleness into a non-blocking MAX all-reduce over all ranks (applied two calls later:
+        see ``adapt.Adaptive``)."""
+        ad = self.adaptive
+        grown = [d for d, n in self.drift.histogram.items() if n > before.get(d, 0)]
+        self.call_drift[self.calls_done - 1] = max(grown, default=0)
+        if self._pending is not None or not ad.request_due(self.calls_done) \
+                or self._next_kind() != "paci":
+            return
+        value = staleness(self._change.take(), self.num_stages, self.stage)
+        device = torch.device("cuda", torch.cuda.current_device()) \
+            if torch.cuda.is_available() else torch.device("cpu")
+        signal = torch.tensor([value], dtype=torch.float64, device=device)
+        work = torch.distributed.all_reduce(signal, op=torch.distributed.ReduceOp.MAX,
+                                            async_op=True)
+        self._pending = (work, signal, self.calls_done + 1)
 
     def drain(self) -> int:
         """Bring the stage to a clean state at the last group boundary: forwards still in
@@ -544,6 +634,8 @@ class PaciRuntime:
         micro-batches dropped."""
         if self.plan is None:
             return 0
+        if self._pending is not None:  # every rank sent its part: finishing it waits on none
+            self._pending[0].wait()
         dropped = self.drift.forget_in_flight()
         if self.data is not None:
             self.data.rewind(dropped)
@@ -565,6 +657,9 @@ class PaciRuntime:
                 "mean": sum(factors) / len(factors) if factors else 1.0,
                 "last": factors[-1] if factors else 1.0,
                 "damped_steps": sum(f != 1.0 for f in factors)}
+        if self.adaptive is not None:  # a per call, as (first call, a) runs; max drift per call
+            row["factor_changes"] = list(self.adaptive.changes)
+            row["call_drift"] = [self.call_drift.get(k) for k in range(self.calls_done)]
         return row
 
 

@@ -20,6 +20,7 @@ from typing import Dict, List
 
 import torch
 
+from paci_megatron.adapt import Adaptive, candidates
 from paci_megatron.mcore import build
 from paci_megatron.mcore.reference import (PipelineEmulator, StageParts, audit_backward,
                                             weights_sha256)
@@ -32,7 +33,7 @@ SEED = 1234
 # clip 0.3 keeps gradient clipping active on most steps, so the clipping norm matters.
 BASE = dict(tp=1, dp=1, a=4, n=4, calls=5, dropout=0.0, bf16=False, recompute=False,
             dist_opt=False, clip=0.3, layers=4, drain_after=None, eval_after=None,
-            audit=False)
+            audit=False, factors=None)
 CASES: Dict[str, Dict] = {
     "p2_a4": dict(pp=2, dropout=0.1),
     "p2_a2": dict(pp=2, a=2, n=8, calls=4),
@@ -45,6 +46,8 @@ CASES: Dict[str, Dict] = {
     "p4_recompute": dict(pp=4, a=2, n=8, calls=3, dropout=0.1, recompute=True),
     "p4_eval_nodrain": dict(pp=4, a=2, calls=4, eval_after=(1, 3)),
     "p4_drain_eval": dict(pp=4, a=4, n=8, calls=4, drain_after=(2,), eval_after=(2,)),
+    # --paci-accumulation-factor auto, cycle policy: a of each call (a = N at the start)
+    "p4_auto": dict(pp=4, calls=8, factors=(4, 4, 2, 2, 1, 1, 4, 4)),
     "p2_dp2": dict(pp=2, dp=2, dropout=0.1),
     "p2_dp2_distopt": dict(pp=2, dp=2, a=2, dist_opt=True, dropout=0.1),
     "p2_tp2": dict(pp=2, tp=2, dropout=0.1),
@@ -91,7 +94,9 @@ def run_runtime(case: str, out_dir: str) -> None:
     cfg = config(case)
     info = build.init_distributed(tp=cfg["tp"], pp=cfg["pp"], seed=SEED, timeout_s=120)
     parts = build_parts(cfg)
-    rt = PaciRuntime(kind="paci", accumulation=cfg["a"])
+    adaptive = Adaptive(cfg["pp"], cfg["n"], candidates(cfg["pp"], cfg["n"], None), interval=1,
+                        tolerance=0.0, policy="cycle") if cfg["factors"] else None
+    rt = PaciRuntime(kind="paci", accumulation=cfg["a"], adaptive=adaptive)
     rt.bind(parts.optimizer, parts.lr_scheduler, lr_increment=cfg["a"] * MBS * info["dp_size"])
     steps: List[Dict] = []
     local_step = rt.local_step
@@ -116,6 +121,8 @@ def run_runtime(case: str, out_dir: str) -> None:
             rt.drain()
         if cfg["eval_after"] and call + 1 in cfg["eval_after"]:
             evaluate(rt.forward_backward, parts.model, spec_of(cfg), eval_data, cfg["n"])
+    if adaptive is not None:
+        assert tuple(adaptive.factors) == tuple(cfg["factors"]), adaptive.factors
     _write(out_dir, case, "runtime", info, dict(
         losses=losses, steps=steps, max_drift=rt.drift.max,
         histogram={str(k): v for k, v in sorted(rt.drift.histogram.items())}))
@@ -129,6 +136,8 @@ def run_emulator(case: str, out_dir: str) -> None:
     audits = {s: audit_backward(emu, s) for s in range(cfg["pp"])} if cfg["audit"] else {}
     losses: List[str] = []
     for call in range(cfg["calls"]):
+        if cfg["factors"]:
+            emu.set_accumulation(cfg["factors"][call])
         losses += [_hex(float(d["lm loss"])) for d in emu.train_call(cfg["n"])]
         if cfg["drain_after"] and call + 1 in cfg["drain_after"]:
             emu.drain()
