@@ -280,11 +280,6 @@ def validate(args: argparse.Namespace, world_size: int) -> ScheduleOptions:
         entry.check(opts)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if args.pipeline_schedule == "paci" and pp > 1 and not args.untie_embeddings_and_output_weights:
-        raise ConfigError(
-            "--pipeline-schedule paci with tied embeddings would all-reduce the embedding "
-            "gradient between the first and last stage at every step, which stalls the "
-            "asynchronous pipeline; add --untie-embeddings-and-output-weights")
     return opts
 
 

@@ -25,7 +25,7 @@ from ..autograd_versions import ZERO_CENTERED_GAMMA, keep_version_counters
 from ..executor import DriftStats, ReplayIterator, StageExecutor
 from ..schedule import (Action, Op, StreamPlan, check_max_drift, drift_bound, exchanges,
                         plan_stream)
-from .tied import TiedEmbedding, shared_weight, tied_lag
+from .tied import TiedEmbedding, shared_weight, tied_lag, tied_sha256
 
 STOCK_GET_FORWARD_BACKWARD_FUNC = mcore_schedules.get_forward_backward_func
 
@@ -595,6 +595,13 @@ class PaciRuntime:
         return len(dropped)
 
     # reporting ---------------------------------------------------------------------------------
+    def tied_digest(self) -> Optional[str]:
+        """SHA-256 of this stage's tied-weight copy (see tied.tied_sha256); None if it holds
+        none or has not trained yet."""
+        if self._model is None or self.optimizer is None:
+            return None
+        return tied_sha256(self._model, self.optimizer)
+
     def drift_summary(self) -> dict:
         row = {"stage": self.stage, "max": self.drift.max, "bound": self.drift.bound,
                "histogram": dict(sorted(self.drift.histogram.items())),

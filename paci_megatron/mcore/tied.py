@@ -28,6 +28,7 @@ coordinate), point to point; no rank ever waits for one that was not already sen
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import Counter, deque
 from typing import Any, Deque, List, Optional, Tuple
@@ -205,3 +206,16 @@ class TiedEmbedding:
     def summary(self) -> dict:
         return {"max": max(self.histogram, default=0), "bound": self.bound, "lag": self.lag,
                 "histogram": dict(sorted(self.histogram.items()))}
+
+
+def tied_sha256(model, optimizer) -> Optional[str]:
+    """SHA-256 of this stage's copy of the tied weight and of its optimizer's master copy
+    (None on a stage that holds neither): equal digests on stage 0 and the last stage mean
+    bit-identical copies."""
+    weight = shared_weight(model)
+    if weight is None:
+        return None
+    digest = hashlib.sha256()
+    for tensor in (weight, main_param(optimizer, weight)):
+        digest.update(tensor.detach().float().contiguous().cpu().numpy().tobytes())
+    return digest.hexdigest()

@@ -24,6 +24,7 @@ from paci_megatron.mcore import build
 from paci_megatron.mcore.reference import (PipelineEmulator, StageParts, audit_backward,
                                             weights_sha256)
 from paci_megatron.mcore.runtime import PaciRuntime, get_forward_backward_func
+from paci_megatron.mcore.tied import tied_sha256
 
 MBS = 2
 SEED = 1234
@@ -53,6 +54,9 @@ CASES: Dict[str, Dict] = {
     "p2_tied": dict(pp=2, a=1, n=4, calls=4, tied=True, dropout=0.1),
     "p4_tied": dict(pp=4, a=2, calls=6, tied=True, drain_after=(3,), eval_after=(2, 4)),
     "p2_tied_bf16": dict(pp=2, a=4, n=4, calls=5, tied=True, bf16=True),
+    # the output-layer gradient is sent before the data-parallel reduction and reduced at
+    # stage 0 with its own
+    "p2_dp2_tied": dict(pp=2, dp=2, a=2, tied=True, dropout=0.1),
 }
 
 
@@ -121,8 +125,10 @@ def run_runtime(case: str, out_dir: str) -> None:
             rt.drain()
         if cfg["eval_after"] and call + 1 in cfg["eval_after"]:
             evaluate(rt.forward_backward, parts.model, spec_of(cfg), eval_data, cfg["n"])
+    rt.drain()  # as at the end of training: the last stage's tied copy catches up
     _write(out_dir, case, "runtime", info, dict(
         losses=losses, steps=steps, max_drift=rt.drift.max,
+        tied_after_drain=tied_sha256(parts.model, parts.optimizer),
         histogram={str(k): v for k, v in sorted(rt.drift.histogram.items())},
         tied_histogram={str(k): v for k, v in sorted(rt.tied_histogram.items())}))
 
