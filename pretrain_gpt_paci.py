@@ -1,7 +1,6 @@
 """Pretrain a GPT on Megatron-Core with a selectable pipeline schedule.
 
-    torchrun --nproc-per-node 2 pretrain_gpt_paci.py --pipeline-schedule paci \
-        --untie-embeddings-and-output-weights
+    torchrun --nproc-per-node 2 pretrain_gpt_paci.py --pipeline-schedule paci
 
 Flags follow Megatron-LM's pretrain_gpt.py; ``--pipeline-schedule {1f1b,interleaved,paci}``,
 ``--paci-accumulation-factor`` and ``--paci-max-drift`` are PACI's. Bad flags fail here, before

@@ -61,7 +61,6 @@ if [ -n "${MEGATRON_LM_PATH:-}" ]; then
     exec "${LAUNCH[@]}" -m paci_megatron.run "$MEGATRON_LM_PATH/pretrain_gpt.py" \
         --distributed-backend "$BACKEND" \
         --pipeline-model-parallel-size 2 \
-        --untie-embeddings-and-output-weights \
         --pipeline-schedule paci \
         "$@"
 fi
@@ -70,6 +69,5 @@ fi
 exec "${LAUNCH[@]}" "$(dirname "$0")/../pretrain_gpt_paci.py" \
     --distributed-backend "$BACKEND" \
     --pipeline-model-parallel-size 2 \
-    --untie-embeddings-and-output-weights \
     --pipeline-schedule paci \
     "$@"

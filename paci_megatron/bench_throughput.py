@@ -59,6 +59,7 @@ class Bench:
     tensor_side: int
     timeout_s: float
     repeats: int = 1
+    tied_side: int = 0  # > 0: tied embeddings, a tied_side x tied_side float32 weight
 
     def costs(self) -> Costs:
         return Costs(self.forward_s, self.backward_s, self.step_s)
@@ -76,6 +77,73 @@ def _tag(action: Action) -> int:
     return 0 if action.op in (Op.SEND_F, Op.RECV_F) else 1
 
 
+TIED_GRAD_TAG, TIED_WEIGHT_TAG = 2, 3
+
+
+class TiedMessages:
+    """--tied: the tied-embedding traffic between stage 0 and the last stage, at the moments
+    the runtime has it (mcore/tied.py). PACI: the last stage sends its output-layer gradient
+    after each closing backward, stage 0 receives it before its step and sends its weight
+    after it, the last stage receives that weight at its step ``lag`` steps later and the rest
+    at the end (the drain). Flush (stock): an all-reduce of the gradient between the two at
+    every step."""
+
+    def __init__(self, stage: int, num_stages: int, kind: str, accumulation: int, side: int,
+                 group):
+        import math
+
+        self.stage, self.last = stage, num_stages - 1
+        self.kind, self.accumulation, self.side, self.group = kind, accumulation, side, group
+        self.lag = math.ceil(num_stages / accumulation)
+        self.steps = 0
+        self.received = 0
+        self.pending: list = []
+
+    def _tensor(self):
+        import torch
+
+        return torch.zeros((self.side, self.side))
+
+    def after_backward(self, mb: int) -> None:
+        import torch.distributed as dist
+
+        if self.kind == "paci" and self.stage == self.last and (mb + 1) % self.accumulation == 0:
+            grad = self._tensor()
+            self.pending.append((dist.isend(grad, dst=0, tag=TIED_GRAD_TAG), grad))
+
+    def before_step(self) -> None:
+        import torch.distributed as dist
+
+        if self.kind == "paci" and self.stage == 0:
+            dist.irecv(self._tensor(), src=self.last, tag=TIED_GRAD_TAG).wait()
+        elif self.kind != "paci":
+            dist.all_reduce(self._tensor(), group=self.group)
+
+    def after_step(self) -> None:
+        import torch.distributed as dist
+
+        if self.kind == "paci" and self.stage == 0:
+            weight = self._tensor()
+            self.pending.append((dist.isend(weight, dst=self.last, tag=TIED_WEIGHT_TAG), weight))
+        elif self.kind == "paci" and self.steps >= self.lag:
+            self._receive(self.steps - self.lag + 1)
+        self.steps += 1
+
+    def _receive(self, upto: int) -> None:
+        import torch.distributed as dist
+
+        while self.received < upto:
+            dist.irecv(self._tensor(), src=0, tag=TIED_WEIGHT_TAG).wait()
+            self.received += 1
+
+    def finish(self) -> None:
+        if self.kind == "paci" and self.stage == self.last:
+            self._receive(self.steps)
+        for work, _ in self.pending:
+            work.wait()
+        self.pending.clear()
+
+
 class SleepStage:
     """Executor handlers: compute is a sleep, communication is real gloo P2P.
 
@@ -85,9 +153,10 @@ class SleepStage:
     checks, so a mismatched message fails loudly instead of skewing the timings.
     """
 
-    def __init__(self, stage: int, bench: Bench):
+    def __init__(self, stage: int, bench: Bench, tied: Optional[TiedMessages] = None):
         self.stage = stage
         self.bench = bench
+        self.tied = tied
         self.pending: list = []  # (Work, tensor): the tensor must outlive the send
         self.spans: List[Span] = []
 
@@ -96,9 +165,15 @@ class SleepStage:
 
     def backward(self, mb: int) -> None:
         self._sleep(f"B{mb}", "compute", self.bench.backward_s)
+        if self.tied is not None:
+            self.tied.after_backward(mb)
 
     def step(self, mb: int) -> None:
+        if self.tied is not None:
+            self.tied.before_step()
         self._sleep(f"T{mb}", "step", self.bench.step_s)
+        if self.tied is not None:
+            self.tied.after_step()
 
     def communicate(self, actions: Sequence[Action]) -> None:
         start = time.perf_counter()
@@ -114,6 +189,8 @@ class SleepStage:
         self.spans.append((" ".join(map(str, actions)), "comm", start, time.perf_counter()))
 
     def finish(self) -> None:
+        if self.tied is not None:
+            self.tied.finish()
         for work, _ in self.pending:
             work.wait()
         self.pending.clear()
@@ -140,14 +217,17 @@ class SleepStage:
 
 
 def measure_stage(stage: int, num_stages: int, kind: str, microbatches: int,
-                  bench: Bench) -> dict:
+                  bench: Bench, tied_group=None) -> dict:
     """Run W + K calls of one schedule on this stage; time the last K."""
     import torch.distributed as dist
 
     plan = plan_stream(kind, num_stages, microbatches, microbatches)
     # The executor enforces the drift bound, so the benchmark also checks what it runs.
     bound = drift_bound(num_stages, stage, microbatches) if kind == "paci" else 0
-    handlers = SleepStage(stage, bench)
+    tied = None
+    if bench.tied_side and num_stages > 1 and stage in (0, num_stages - 1):
+        tied = TiedMessages(stage, num_stages, kind, microbatches, bench.tied_side, tied_group)
+    handlers = SleepStage(stage, bench, tied)
     executor = StageExecutor(stage, handlers, DriftStats(stage, bound))
     dist.barrier()  # all stages start the schedule together
     for k in range(bench.warmup):
@@ -173,13 +253,17 @@ def _worker(rank: int, num_stages: int, port: int, microbatches: Sequence[int], 
     dist.init_process_group("gloo", rank=rank, world_size=num_stages,
                             timeout=timedelta(seconds=bench.timeout_s))
     try:
+        # every rank creates the group; only stage 0 and the last stage use it (stock's
+        # tied-embedding all-reduce in the flush baseline)
+        tied_group = dist.new_group([0, num_stages - 1]) if bench.tied_side \
+            and num_stages > 1 else None
         results = []
         for m in microbatches:
             # Schedules alternate within each repeat, so a burst of load from other processes
             # on the machine hits one repeat of both rather than all repeats of one.
             for _ in range(bench.repeats):
                 for kind in KINDS:
-                    run = measure_stage(rank, num_stages, kind, m, bench)
+                    run = measure_stage(rank, num_stages, kind, m, bench, tied_group)
                     gathered = [None] * num_stages if rank == 0 else None
                     dist.gather_object(run, gathered, dst=0)
                     results.append({"M": m, "kind": kind, "stages": gathered})
@@ -460,6 +544,13 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="v of the interleaved 1F1B model")
     parser.add_argument("--tensor-side", type=int, default=64,
                         help="messages are side x side float32 tensors")
+    parser.add_argument("--tied", action="store_true",
+                        help="tied embeddings: PACI's point-to-point tied-weight messages "
+                             "between stage 0 and the last stage (mcore/tied.py); the flush "
+                             "baseline all-reduces the tied gradient at every step, as stock")
+    parser.add_argument("--tied-side", type=int, default=160,
+                        help="with --tied: the tied weight (and its gradient) is a side x side "
+                             "float32 tensor (default 160: about 6x an activation message)")
     parser.add_argument("--timeout-s", type=float, default=300.0,
                         help="gloo timeout: a hung schedule fails instead of waiting forever")
     parser.add_argument("--trace", metavar="PATH",
@@ -487,6 +578,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("costs must be >= 0 ms")
     if args.forward_ms + args.backward_ms <= 0:
         parser.error("--forward-ms + --backward-ms must be > 0")
+    if args.tied and args.tied_side < 1:
+        parser.error(f"--tied-side {args.tied_side}: must be >= 1")
     if args.trace_config is None:
         args.trace_config = [args.stages[0], args.microbatches[0]]
     if args.trace and (args.trace_config[0] not in args.stages
@@ -497,7 +590,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 
 def bench_from_args(args: argparse.Namespace) -> Bench:
     return Bench(args.forward_ms / 1e3, args.backward_ms / 1e3, args.step_ms / 1e3,
-                 args.warmup, args.updates, args.tensor_side, args.timeout_s, args.repeats)
+                 args.warmup, args.updates, args.tensor_side, args.timeout_s, args.repeats,
+                 args.tied_side if args.tied else 0)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -511,7 +605,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             rows.append(summarize(P, M, repeats, bench, args.virtual_chunks))
             if args.trace and [P, M] == args.trace_config:
                 trace_runs = (P, M, {k: median_run(repeats[k], bench) for k in KINDS})
-    print(f"tf={args.forward_ms:g} ms, tb={args.backward_ms:g} ms, step={args.step_ms:g} ms, "
+    tied = f"tied embeddings ({args.tied_side}x{args.tied_side} float32), " if args.tied else ""
+    print(f"{tied}tf={args.forward_ms:g} ms, tb={args.backward_ms:g} ms, step={args.step_ms:g} ms, "
           f"W={bench.warmup} warm-up + K={bench.updates} timed updates per schedule, median "
           f"of {bench.repeats} repeats. "
           f"interleaved (model) = (M + (P-1)/v)(tf+tb) with v={args.virtual_chunks}, not "

@@ -1,8 +1,7 @@
 """Run an unchanged Megatron-LM training script with a selectable pipeline schedule.
 
     torchrun --nproc-per-node 8 -m paci_megatron.run path/to/Megatron-LM/pretrain_gpt.py \\
-        <the script's usual flags> --untie-embeddings-and-output-weights \\
-        --pipeline-schedule paci --paci-accumulation-factor 8
+        <the script's usual flags> --pipeline-schedule paci --paci-accumulation-factor 8
 
 The script runs as ``__main__`` (see ``run_as_main``) with its folder on ``sys.path``, after
 this module installed version-guarded hooks from ``paci_megatron.patches.megatron_lm``:
@@ -81,10 +80,16 @@ def validate_flags(args: argparse.Namespace) -> None:
                          "scaling) yet: the loss is scaled once, at the last stage, but each "
                          "stage unscales with its own scaler and decides overflow alone, so "
                          "gradients would come out mis-scaled; use --bf16 (or fp32)")
-    if pp > 1 and not args.untie_embeddings_and_output_weights:
-        raise ValueError("--pipeline-schedule paci with tied embeddings would all-reduce the "
-                         "embedding gradient between the first and last stage at every local "
-                         "step, stalling the pipeline; add --untie-embeddings-and-output-weights")
+    tied = pp > 1 and not args.untie_embeddings_and_output_weights
+    if tied and getattr(args, "use_distributed_optimizer", False):
+        raise ValueError("--pipeline-schedule paci with tied embeddings does not support "
+                         "--use-distributed-optimizer yet; drop it or add "
+                         "--untie-embeddings-and-output-weights")
+    if tied and getattr(args, "overlap_grad_reduce", False):
+        raise ValueError("--pipeline-schedule paci with tied embeddings does not support "
+                         "--overlap-grad-reduce yet (the output-layer gradient is sent before "
+                         "the data-parallel reduction); drop it or add "
+                         "--untie-embeddings-and-output-weights")
     if args.rampup_batch_size is not None:
         raise ValueError("--pipeline-schedule paci keeps micro-batches in flight across "
                          "iterations and needs a fixed number of them; drop --rampup-batch-size")
@@ -172,12 +177,19 @@ def report(runtime) -> None:
     from .mcore.runtime import gather_across_pipeline
 
     rows = gather_across_pipeline(runtime.drift_summary())
+    tied = gather_across_pipeline(runtime.tied_digest())
     if runtime.is_last and parallel_state.get_tensor_model_parallel_rank() == 0 \
             and parallel_state.get_data_parallel_rank() == 0:
         for row in rows:
             skipped = f", skipped {row['skipped_steps']}" if row["skipped_steps"] else ""
             print(f"> PACI stage {row['stage']}: max drift {row['max']} (bound {row['bound']}), "
                   f"histogram {row['histogram']}, local steps {row['steps']}{skipped}", flush=True)
+        if rows[-1].get("tied"):
+            stale = rows[-1]["tied"]
+            same = "identical" if tied[0] == tied[-1] else "DIFFERENT"
+            print(f"> PACI tied embedding: staleness max {stale['max']} (bound {stale['bound']}), "
+                  f"histogram {stale['histogram']}; stage 0 and last stage copies {same} after "
+                  f"the drain (sha256 {tied[0][:12]}, {tied[-1][:12]})", flush=True)
 
 
 def _log_last_stage(runtime_holder):

@@ -20,6 +20,7 @@ import torch
 
 from .mcore import build, checkpoint
 from .mcore import runtime as mcore_runtime
+from .mcore.tied import tied_sha256
 from .memory import LiveTensorMeter, SavedTensorMeter
 from .quiet import is_local_rank0
 from .registry import SCHEDULES, ScheduleOptions
@@ -502,6 +503,10 @@ def finish(job: Job) -> Dict:
                      f"histogram {row['histogram']}, local steps {row['steps']}"
                      + (f", drift LR factor min {damped['min']:.4f} mean {damped['mean']:.4f} "
                         f"({damped['damped_steps']} steps damped)" if damped else ""))
+                if row.get("tied"):
+                    tied = row["tied"]
+                    _log(f"> stage {row['stage']}: tied embedding staleness max {tied['max']} "
+                         f"(bound {tied['bound']}), histogram {tied['histogram']}")
     if job.last_eval is None or job.last_eval[0] != job.iteration:
         evaluate(job)
     validation = job.last_eval[1]
@@ -509,11 +514,18 @@ def finish(job: Job) -> Dict:
     # one digest per pipeline stage (this rank's pipeline group: tensor and data rank fixed)
     summary["weights_sha256"] = mcore_runtime.gather_across_pipeline(
         checkpoint.weights_sha256(job.model))
+    if job.model[0] is not None and not args.untie_embeddings_and_output_weights:
+        # tied: stage 0's and the last stage's copies (and master copies), after the drain
+        summary["tied_sha256"] = mcore_runtime.gather_across_pipeline(
+            tied_sha256(job.model[0], job.optimizer))
     if args.save:
         save(job)
     memory = mcore_runtime.gather_across_pipeline(_memory_record(job))
     summary["memory"] = memory
-    _write_metrics(job, {"final": True, "iteration": job.iteration,
+    tied = [r.get("tied") for r in summary.get("drift", [])]
+    _write_metrics(job, {**({"tied_max_staleness": [t and t["max"] for t in tied]}
+                            if any(tied) else {}),
+                         "final": True, "iteration": job.iteration,
                          "consumed_samples": job.consumed, "validation_loss": validation,
                          "wall_s": time.perf_counter() - job.started,
                          "max_drift": [r["max"] for r in summary.get("drift", [])],

@@ -176,6 +176,19 @@ def test_auto_flags_misused_are_refused(flags, message):
         _validate(*flags)
 
 
+def test_auto_with_tied_embeddings_is_refused_before_launch():
+    """The tied copy's lag ceil(P/a) is fixed for the a at the start."""
+    args = build_parser().parse_args(
+        [f for f in BASE if f != "--untie-embeddings-and-output-weights"]
+        + ["--paci-accumulation-factor", "auto"])
+    with pytest.raises(ConfigError, match="--untie-embeddings-and-output-weights"):
+        validate(args, 4)
+    args = build_parser().parse_args(
+        [f for f in BASE if f != "--untie-embeddings-and-output-weights"]
+        + ["--paci-accumulation-factor", "auto", "--pipeline-model-parallel-size", "1"])
+    validate(args, 1)  # one stage: nothing is exchanged
+
+
 @pytest.mark.parametrize("value", ["automatic", "0", "-2", "", "1.5"])
 def test_bad_factor_values_name_the_flag(value, capsys):
     with pytest.raises(SystemExit):

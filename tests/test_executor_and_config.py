@@ -139,10 +139,10 @@ def test_bad_configuration_is_named(argv, match):
         _validate(["--untie-embeddings-and-output-weights"] + argv)
 
 
-def test_paci_refuses_tied_embeddings_across_stages():
-    with pytest.raises(ConfigError, match="--untie-embeddings-and-output-weights"):
-        _validate([])
-    _validate([], world=1)  # one stage: the embedding is not shared across stages
+def test_paci_accepts_tied_embeddings_across_stages():
+    args, _ = _validate([])  # tied is the default: PACI exchanges the tied weight itself
+    assert not args.untie_embeddings_and_output_weights
+    _validate([], world=4)
 
 
 def test_registry_is_open_and_names_known_schedules():

@@ -44,6 +44,8 @@ MODEL_FLAGS = [
 ]
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?learning rate: (\S+) \|.*?"
                        r"lm loss: (\S+) \|.*?grad norm: (\S+) \|")
+TIED = re.compile(r"> PACI tied embedding: staleness max (\d+) \(bound (\d+)\), histogram "
+                  r"\{[^}]*\}; stage 0 and last stage copies (\w+) after the drain")
 DRIFT = re.compile(r"> PACI stage (\d+): max drift (\d+) \(bound (\d+)\), histogram \{[^}]*\}, "
                    r"local steps (\d+)")
 
@@ -75,7 +77,10 @@ def _megatron_args(**overrides):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (dict(untie_embeddings_and_output_weights=False), "--untie-embeddings-and-output-weights"),
+    (dict(untie_embeddings_and_output_weights=False, use_distributed_optimizer=True),
+     "--use-distributed-optimizer"),
+    (dict(untie_embeddings_and_output_weights=False, overlap_grad_reduce=True),
+     "--overlap-grad-reduce"),
     (dict(num_layers_per_virtual_pipeline_stage=1), "virtual pipeline stages"),
     (dict(rampup_batch_size=[8, 8, 100]), "--rampup-batch-size"),
     (dict(overlap_param_gather=True), "--overlap-param-gather"),
@@ -98,6 +103,9 @@ def test_stock_schedules_are_not_checked():
     paci_run.validate_flags(_megatron_args(pipeline_schedule="interleaved",
                                            num_layers_per_virtual_pipeline_stage=1))
     paci_run.validate_flags(_megatron_args())
+    paci_run.validate_flags(_megatron_args(untie_embeddings_and_output_weights=False))  # tied
+    paci_run.validate_flags(_megatron_args(use_distributed_optimizer=True,
+                                           overlap_grad_reduce=True))  # untied: not checked
 
 
 def test_train_step_sees_the_local_steps():
@@ -160,12 +168,12 @@ def test_other_megatron_lm_versions_are_refused(tmp_path):
 
 # --- Megatron-LM's pretrain_gpt.py end to end -----------------------------------------------
 
-def run_pretrain_gpt(extra, cwd, timeout=300):
+def run_pretrain_gpt(extra, cwd, timeout=300, model_flags=MODEL_FLAGS):
     """torchrun 2 processes of ``-m paci_megatron.run pretrain_gpt.py``; (rc, stdout, stderr).
     On a timeout both workers and torchrun are killed (torchrun starts each worker in a
     session of its own)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "paci_megatron.run", PRETRAIN_GPT, *CPU_FLAGS, *MODEL_FLAGS, *extra]
+           "-m", "paci_megatron.run", PRETRAIN_GPT, *CPU_FLAGS, *model_flags, *extra]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p))
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -248,6 +256,24 @@ def test_paci_accumulation_factor_and_checkpoints(stock_run, tmp_path):
     assert sorted(os.listdir(tmp_path / "ckpt")) == [
         "iter_0000002", "iter_0000004", "latest_checkpointed_iteration.txt"]
     assert drift(out) == {0: dict(max=1, bound=1, steps=8), 1: dict(max=0, bound=0, steps=8)}
+
+
+@pytest.mark.dist
+@needs_megatron_lm
+def test_paci_accepts_tied_embeddings(tmp_path):
+    """Megatron-LM's default, tied input/output embeddings, under PACI at P=2 with a = 1
+    (the last stage's copy trails stage 0's by ceil(P/a) = 2 steps): it trains, the tied
+    weight's staleness reaches that bound, and after the final drain both copies are equal."""
+    flags = [f for f in MODEL_FLAGS if f != "--untie-embeddings-and-output-weights"]
+    rc, out, err = run_pretrain_gpt(["--pipeline-schedule", "paci", "--paci-accumulation-factor",
+                                     "1", "--save", str(tmp_path / "ckpt"), "--save-interval",
+                                     "2"], tmp_path, model_flags=flags)
+    assert rc == 0, f"exit code {rc}\n{out[-6000:]}\n--- stderr ---\n{err[-6000:]}"
+    rows = iterations(out)
+    assert [r["iteration"] for r in rows] == ["1", "2", "3", "4"], out[-3000:]
+    assert float(rows[-1]["loss"]) < float(rows[0]["loss"])
+    assert drift(out) == {0: dict(max=1, bound=1, steps=16), 1: dict(max=0, bound=0, steps=16)}
+    assert TIED.search(out).groups() == ("2", "2", "identical"), out[-3000:]
 
 
 @pytest.mark.dist

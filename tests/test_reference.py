@@ -20,8 +20,8 @@ pytestmark = pytest.mark.dist
 WORKER = "tests/workers/reference_cases.py"
 PP_ONLY = ["p2_a4", "p2_a2", "p2_bf16", "p2_distopt", "p2_drain_eval",
            "p4_a4", "p4_a1", "p4_bf16", "p4_recompute", "p4_eval_nodrain", "p4_drain_eval",
-           "p4_auto"]
-PARALLEL = ["p2_dp2", "p2_dp2_distopt", "p2_tp2"]  # 2 emulator processes, 4 runtime ones
+           "p4_auto", "p2_tied", "p2_tied_bf16", "p4_tied"]
+PARALLEL = ["p2_dp2", "p2_dp2_distopt", "p2_tp2", "p2_dp2_tied"]  # 2 emulator processes, 4 runtime ones
 RUNTIME_P2 = [c for c in PP_ONLY if c.startswith("p2")]
 RUNTIME_P4 = [c for c in PP_ONLY if c.startswith("p4")] + PARALLEL
 
@@ -63,6 +63,25 @@ def test_runtime_equals_emulator_bit_for_bit(case, results):
         assert len(r["steps"]) == steps_per_stage
         assert r["steps"] == e["steps"]  # per step: mb, success, grad norm, LR, weights SHA-256
         assert r["histogram"] == e["histogram"]  # drift of every micro-batch
+        assert r.get("tied_histogram", {}) == e.get("tied_histogram", {})
+
+
+@pytest.mark.parametrize("case,lag", [("p2_tied", 2), ("p2_tied_bf16", 1), ("p4_tied", 2)])
+def test_tied_weight_staleness_reaches_its_bound_and_no_more(case, lag, results):
+    """The last stage's copy of the tied weight trails stage 0's by lag = ceil(P/a) steps:
+    every micro-batch of group g used owner version max(0, g - lag) (so group g < lag is less
+    stale), measured per micro-batch by the runtime and equal to the emulator's above."""
+    rows = results(case, "runtime")
+    cfg = rows["pp0tp0dp0"]["config"]
+    last = rows[f"pp{cfg['pp'] - 1}tp0dp0"]["tied_histogram"]
+    # each stream (a drain starts a new one) has groups 0..lag-1 below the bound
+    streams = 1 + len(cfg["drain_after"] or ())
+    warm = {str(g): cfg["a"] * streams for g in range(lag)}
+    assert last == {**warm, str(lag): cfg["calls"] * cfg["n"] - lag * cfg["a"] * streams}
+    # after the final drain both copies (and their optimizers' master copies) are equal
+    digests = [rows[f"pp{s}tp0dp0"]["tied_after_drain"] for s in range(cfg["pp"])]
+    assert digests[0] is not None and digests[0] == digests[-1]
+    assert digests[1:-1] == [None] * (cfg["pp"] - 2)
 
 
 def test_the_cases_exercise_drift_drain_and_distinct_weights(results):

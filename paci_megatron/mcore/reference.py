@@ -32,6 +32,7 @@ from ..emulate import run_global
 from ..schedule import Action, Op, StreamPlan, plan_stream
 from . import build
 from .checkpoint import weights_sha256
+from .tied import grad_of, install, main_param, shared_weight, tied_lag
 
 
 class _PipelineGroupView:
@@ -131,6 +132,34 @@ class _Stage:
     steps: List[StepLog] = field(default_factory=list)
 
 
+class TiedState:
+    """Tied embeddings: stage 0 owns the weight; the last stage's output-layer gradient of a
+    group is added to stage 0's at its step, and the last stage installs stage 0's weight
+    after step i at its own step i + tied_lag (messages held here, in order)."""
+
+    def __init__(self, stages: List["_Stage"]):
+        first, last = stages[0].parts, stages[-1].parts
+        self.owner, self.last = shared_weight(first.model), shared_weight(last.model)
+        self.owner_main = main_param(first.optimizer, self.owner)
+        self.last_main = main_param(last.optimizer, self.last)
+        if not torch.equal(self.owner_main, self.last_main):
+            raise RuntimeError("the last stage's output layer does not start equal to stage "
+                               "0's word embedding")
+        self.grads: List[torch.Tensor] = []
+        self.weights: List[torch.Tensor] = []
+        self.last_steps = 0
+        self.installed = 0
+        self.histogram: Dict[int, int] = {}
+
+    def catch_up(self) -> None:
+        """A drain: the last stage takes stage 0's newest weight; a new stream starts."""
+        if self.grads:
+            raise RuntimeError("drain with a tied-embedding gradient in transit")
+        if self.weights:
+            install(self.last, self.last_main, self.weights[-1])
+        self.weights, self.last_steps, self.installed = [], 0, 0
+
+
 class PipelineEmulator:
     """P stages in one process, running PACI's (or the flush baseline's) action lists.
 
@@ -160,6 +189,8 @@ class PipelineEmulator:
         self.consumed = 0  # micro-batches whose backward ran on every stage, before this plan
         self.losses: List[Dict] = []
         self.hooks: List[Callable[[int, Action, str], None]] = []  # (stage, action, "before"|"after")
+        self.tied = TiedState(self.stages) if kind == "paci" and num_stages > 1 \
+            and shared_weight(self.stages[0].parts.model) is not None else None
 
     # one action of one stage ---------------------------------------------------------------
     def _run(self, s: int, act: Action) -> None:
@@ -186,6 +217,9 @@ class PipelineEmulator:
         stage.fresh_weights = False
         stage.outputs[mb] = output
         stage.fwd_version[mb] = stage.version
+        if is_last and self.tied is not None:
+            stale = mb // self.accumulation - self.tied.installed
+            self.tied.histogram[stale] = self.tied.histogram.get(stale, 0) + 1
         if is_last:
             self.losses += store
 
@@ -212,6 +246,8 @@ class PipelineEmulator:
                 get_model_type(model), get_model_config(model))
         if stage.index > 0:
             stage.input_grads[mb] = grad
+        if closes_group and self.tied is not None and stage.index == self.num_stages - 1:
+            self.tied.grads.append(grad_of(self.tied.last).detach().clone())
 
     def _send_b(self, stage: _Stage, mb: int) -> None:
         grad = stage.input_grads.pop(mb)
@@ -226,9 +262,24 @@ class PipelineEmulator:
         """Data-parallel reduction within the stage, then its optimizer and LR step."""
         model, optimizer, scheduler = (stage.parts.model, stage.parts.optimizer,
                                        stage.parts.lr_scheduler)
+        tied = self.tied if stage.index in (0, self.num_stages - 1) else None
+        if tied is not None and stage.index == 0:  # stock's all-reduce sum, at the owner
+            grad_of(tied.owner).add_(tied.grads.pop(0))
         model.finish_grad_sync()
+        undo = None
+        if tied is not None and stage.index > 0 and tied.last_steps < self.tied_lag:
+            undo = tied.last_main.detach().clone()
         with keep_version_counters(list(model.parameters())):
             ok, grad_norm, _ = optimizer.step()
+        if tied is not None and stage.index == 0:
+            tied.weights.append(tied.owner_main.detach().clone())
+        elif tied is not None:  # the last stage follows the owner tied_lag steps late
+            if undo is None:
+                install(tied.last, tied.last_main, tied.weights.pop(0))
+                tied.installed = tied.last_steps - self.tied_lag + 1
+            else:
+                install(tied.last, tied.last_main, undo)
+            tied.last_steps += 1
         if ok and scheduler is not None:
             scheduler.step(increment=self.lr_increment)
         model.zero_grad_buffer()
@@ -281,8 +332,14 @@ class PipelineEmulator:
             stage.input_grads.clear()
         if any(self.messages.values()):
             raise RuntimeError("drain with messages in transit (drain between calls only)")
+        if self.tied is not None:
+            self.tied.catch_up()
         self.plan = None
         return dropped
+
+    @property
+    def tied_lag(self) -> int:
+        return tied_lag(self.num_stages, self.accumulation)
 
     def stage_model(self, s: int):
         return self.stages[s].parts.model

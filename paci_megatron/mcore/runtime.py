@@ -9,6 +9,7 @@ comes from ``schedule.plan_stream`` (validated by ``simulate``) and is run by
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -25,6 +26,7 @@ from ..autograd_versions import ZERO_CENTERED_GAMMA, keep_version_counters
 from ..executor import DriftStats, ReplayIterator, StageExecutor
 from ..schedule import (Action, Op, StreamPlan, check_max_drift, drift_bound, exchanges,
                         plan_stream)
+from .tied import TiedEmbedding, shared_weight, tied_lag, tied_sha256
 
 STOCK_GET_FORWARD_BACKWARD_FUNC = mcore_schedules.get_forward_backward_func
 
@@ -82,6 +84,8 @@ class MegatronHandlers:
     def forward(self, mb: int) -> None:
         state = self.state
         self.data.current = mb
+        if self.rt.tied is not None and self.rt.is_last:
+            self.rt.tied.on_forward(mb)
         output, _num_tokens = mcore_schedules.forward_step(
             self.forward_step_func, self.data, self.model, self.rt.plan.accumulation,
             state.inputs.get(mb), self.store, self.config,
@@ -102,6 +106,8 @@ class MegatronHandlers:
                 self.model_type, self.config,
             )
         self.data.release(mb)
+        if closes_group and self.rt.tied is not None and self.rt.is_last:
+            self.rt.tied.send_output_grad()  # before SB mb: stage 0 needs it at its step
         if not self.rt.is_first:
             state.input_grads[mb] = grad
 
@@ -208,10 +214,7 @@ def check_no_cross_stage_grad_reduction(model, pg: ProcessGroupCollection) -> No
     while hasattr(inner, "module"):
         inner = inner.module
     if getattr(inner, "share_embeddings_and_output_weights", False):
-        raise ValueError(
-            "PACI with tied input/output embeddings would all-reduce their gradients between "
-            "the first and last stage at every step, stalling the pipeline; use "
-            "--untie-embeddings-and-output-weights")
+        check_tied_supported(model)
     if pg.pos_embd is not None and pg.pos_embd.size() > 1:
         raise ValueError("PACI does not support position embeddings shared across stages")
     config = get_model_config(model)
@@ -232,6 +235,34 @@ def check_no_cross_stage_grad_reduction(model, pg: ProcessGroupCollection) -> No
             "PACI cannot run level-1 timers with barriers: finalize_model_grads and the "
             "optimizer would barrier all ranks inside each stage's local step; use "
             "--timing-log-level 0")
+
+
+def check_tied_supported(model) -> None:
+    """Tied embeddings under PACI exchange the output layer's raw gradient and stage 0's
+    stepped weight (``tied.py``); refuse what that exchange does not cover."""
+    ddp = getattr(model, "ddp_config", None)
+    if ddp is not None and ddp.use_distributed_optimizer:
+        raise ValueError(
+            "PACI with tied input/output embeddings does not support the distributed optimizer "
+            "yet (the last stage installs stage 0's weight into its own optimizer's copy); drop "
+            "--use-distributed-optimizer or add --untie-embeddings-and-output-weights")
+    if ddp is not None and ddp.overlap_grad_reduce:
+        raise ValueError(
+            "PACI with tied input/output embeddings does not support --overlap-grad-reduce yet "
+            "(the last stage sends its output-layer gradient before the data-parallel "
+            "reduction, which --overlap-grad-reduce starts during the backward); drop "
+            "--overlap-grad-reduce or add --untie-embeddings-and-output-weights")
+
+
+def stage_local_groups(pg: ProcessGroupCollection, solo) -> ProcessGroupCollection:
+    """``pg`` with a one-rank embedding group: finalize_model_grads then skips the tied
+    embedding all-reduce between the first and last stage (an embd of None would make it
+    look the global one up again); ``tied.py`` replaces that all-reduce."""
+    out = ProcessGroupCollection()
+    for name in ("tp", "pp", "cp", "pos_embd", "dp_cp"):
+        setattr(out, name, getattr(pg, name))
+    out.embd = solo
+    return out
 
 
 def grads_are_finite(model, group) -> bool:
@@ -380,6 +411,9 @@ class PaciRuntime:
         self._pending = None  # (all-reduce work, its tensor, the call it applies from)
         self._change = WeightChange() if self.adaptive else None
         self.call_drift: Dict[int, int] = {}  # --paci-accumulation-factor auto: call -> max
+        self.tied: Optional[TiedEmbedding] = None  # the tied-weight exchange of this stream
+        self.tied_histogram: Counter = Counter()  # last stage: staleness -> micro-batches
+        self._stage_pg: Optional[ProcessGroupCollection] = None
 
     # wiring ----------------------------------------------------------------------------------
     def bind(self, optimizer, lr_scheduler=None, lr_increment: Optional[int] = None) -> None:
@@ -462,7 +496,13 @@ class PaciRuntime:
             raise RuntimeError("PaciRuntime.bind(optimizer, ...) must be called before training")
         model = self._model
         config = get_model_config(model)
-        config.finalize_model_grads_func([model], None, pg_collection=self.pg)
+        tied = self.tied
+        if tied is not None and tied.is_owner:
+            tied.add_output_grad()
+        pg = self._stage_pg if tied is not None else self.pg
+        config.finalize_model_grads_func([model], None, pg_collection=pg)
+        if tied is not None and not tied.is_owner:
+            tied.before_last_step()
         factor = self.lr_factor_now()
         if grads_are_finite(model, stage_grad_stats_group(self.optimizer)):
             if self._change is not None:
@@ -474,6 +514,10 @@ class PaciRuntime:
         else:
             self.skip_nonfinite_step(mb)
             ok, grad_norm = False, float("nan")
+        if tied is not None and tied.is_owner:  # also after a skipped step: both count alike
+            tied.send_weight()
+        elif tied is not None:
+            tied.after_last_step()
         lr = None
         if ok and self.lr_scheduler is not None:
             self.lr_scheduler.step(increment=self._lr_increment_now())
@@ -526,6 +570,7 @@ class PaciRuntime:
         self._use_stage_grad_stats(self.plan.kind == "paci")
         self.call_index = 0
         self._model = model
+        self.tied = self._tied_exchange(model)
         self._params = tuple(model.parameters())
         self.data = ReplayIterator(data_iterator) if self.data is None else self.data
         if self.data.base is not data_iterator:
@@ -538,6 +583,41 @@ class PaciRuntime:
         )[0]
         model.zero_grad_buffer()
         self.optimizer.zero_grad()
+
+    def _tied_exchange(self, model) -> Optional[TiedEmbedding]:
+        """Stage 0 and the last stage of a PACI plan with tied embeddings exchange the tied
+        weight's gradient and values point to point (``tied.py``); stock plans (the flush
+        baseline, the --paci-sync-iters warm-up) keep Megatron's all-reduce."""
+        if self.plan.kind != "paci" or self.num_stages == 1 or shared_weight(model) is None:
+            return None
+        if self.adaptive is not None:
+            raise ValueError("--paci-accumulation-factor auto does not support tied embeddings "
+                             "yet; add --untie-embeddings-and-output-weights")
+        if self._stage_pg is None:
+            solo = torch.distributed.new_group([torch.distributed.get_rank()],
+                                               use_local_synchronization=True)
+            self._stage_pg = stage_local_groups(self.pg, solo)
+        return TiedEmbedding(model=model, optimizer=self.optimizer, stage=self.stage,
+                             num_stages=self.num_stages, accumulation=self.accumulation,
+                             group=self.pg.embd, histogram=self.tied_histogram)
+
+    @contextlib.contextmanager
+    def _current_tied_weight(self):
+        """Evaluation without a drain: the last stage reads stage 0's current tied weight
+        (already sent; kept for the steps that install it) and gets its lagging copy back."""
+        latest = self.tied.latest_for_eval() if self.tied is not None else None
+        if latest is None:
+            yield
+            return
+        weight = self.tied.weight
+        lagging = weight.detach().clone()
+        with torch.no_grad():
+            weight.data.copy_(latest)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                weight.data.copy_(lagging)
 
     def forward_backward(self, *, forward_step_func, data_iterator, model, num_microbatches: int,
                          seq_length: int, micro_batch_size: int,
@@ -557,11 +637,13 @@ class PaciRuntime:
             data_iterator = data_iterator[0]
         if forward_only:
             stock = STOCK_GET_FORWARD_BACKWARD_FUNC()
-            return stock(forward_step_func=forward_step_func, data_iterator=data_iterator,
-                         model=[model], num_microbatches=num_microbatches, seq_length=seq_length,
-                         micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
-                         forward_only=True, collect_non_loss_data=collect_non_loss_data,
-                         first_val_step=first_val_step)
+            with self._current_tied_weight():
+                return stock(forward_step_func=forward_step_func, data_iterator=data_iterator,
+                             model=[model], num_microbatches=num_microbatches,
+                             seq_length=seq_length, micro_batch_size=micro_batch_size,
+                             decoder_seq_length=decoder_seq_length,
+                             forward_only=True, collect_non_loss_data=collect_non_loss_data,
+                             first_val_step=first_val_step)
         if self.plan is not None and self.plan.kind != self._next_kind():
             self.plan = None  # end of the sync warm-up: the flush call left the pipeline empty
         if self.plan is None:
@@ -641,11 +723,21 @@ class PaciRuntime:
             self.data.rewind(dropped)
         if self.state.pending_sends:
             raise RuntimeError("drain with sends still pending (drain between calls only)")
+        if self.tied is not None:
+            self.tied.drain()  # the last stage catches up: both copies bit-identical
+            self.tied = None
         self.state = StageState()
         self.plan = None
         return len(dropped)
 
     # reporting ---------------------------------------------------------------------------------
+    def tied_digest(self) -> Optional[str]:
+        """SHA-256 of this stage's tied-weight copy (see tied.tied_sha256); None if it holds
+        none or has not trained yet."""
+        if self._model is None or self.optimizer is None:
+            return None
+        return tied_sha256(self._model, self.optimizer)
+
     def drift_summary(self) -> dict:
         row = {"stage": self.stage, "max": self.drift.max, "bound": self.drift.bound,
                "histogram": dict(sorted(self.drift.histogram.items())),
@@ -660,6 +752,10 @@ class PaciRuntime:
         if self.adaptive is not None:  # a per call, as (first call, a) runs; max drift per call
             row["factor_changes"] = list(self.adaptive.changes)
             row["call_drift"] = [self.call_drift.get(k) for k in range(self.calls_done)]
+        if self.tied_histogram:  # last stage, tied embeddings: staleness of its tied copy
+            row["tied"] = {"max": max(self.tied_histogram),
+                           "bound": tied_lag(self.num_stages, self.accumulation),
+                           "histogram": dict(sorted(self.tied_histogram.items()))}
         return row
 
 

@@ -25,6 +25,7 @@ from paci_megatron.mcore import build
 from paci_megatron.mcore.reference import (PipelineEmulator, StageParts, audit_backward,
                                             weights_sha256)
 from paci_megatron.mcore.runtime import PaciRuntime, get_forward_backward_func
+from paci_megatron.mcore.tied import tied_sha256
 
 MBS = 2
 SEED = 1234
@@ -33,7 +34,7 @@ SEED = 1234
 # clip 0.3 keeps gradient clipping active on most steps, so the clipping norm matters.
 BASE = dict(tp=1, dp=1, a=4, n=4, calls=5, dropout=0.0, bf16=False, recompute=False,
             dist_opt=False, clip=0.3, layers=4, drain_after=None, eval_after=None,
-            audit=False, factors=None)
+            audit=False, factors=None, tied=False)
 CASES: Dict[str, Dict] = {
     "p2_a4": dict(pp=2, dropout=0.1),
     "p2_a2": dict(pp=2, a=2, n=8, calls=4),
@@ -51,6 +52,14 @@ CASES: Dict[str, Dict] = {
     "p2_dp2": dict(pp=2, dp=2, dropout=0.1),
     "p2_dp2_distopt": dict(pp=2, dp=2, a=2, dist_opt=True, dropout=0.1),
     "p2_tp2": dict(pp=2, tp=2, dropout=0.1),
+    # tied embeddings: lag ceil(P/a) = 2 at P=2, a=1; at P=4, a=2 with a drain (the last
+    # stage catches up) and an evaluation without drain (it reads stage 0's current weight)
+    "p2_tied": dict(pp=2, a=1, n=4, calls=4, tied=True, dropout=0.1),
+    "p4_tied": dict(pp=4, a=2, calls=6, tied=True, drain_after=(3,), eval_after=(2, 4)),
+    "p2_tied_bf16": dict(pp=2, a=4, n=4, calls=5, tied=True, bf16=True),
+    # the output-layer gradient is sent before the data-parallel reduction and reduced at
+    # stage 0 with its own
+    "p2_dp2_tied": dict(pp=2, dp=2, a=2, tied=True, dropout=0.1),
 }
 
 
@@ -61,7 +70,7 @@ def config(case: str) -> Dict:
 def spec_of(cfg: Dict) -> build.GPTSpec:
     return build.GPTSpec(
         num_layers=cfg["layers"], hidden_size=32, num_attention_heads=4, seq_length=16,
-        vocab_size=128, untie_embeddings=True, hidden_dropout=cfg["dropout"],
+        vocab_size=128, untie_embeddings=not cfg["tied"], hidden_dropout=cfg["dropout"],
         attention_dropout=cfg["dropout"], bf16=cfg["bf16"],
         recompute_granularity="full" if cfg["recompute"] else None,
         recompute_method="uniform" if cfg["recompute"] else None,
@@ -123,9 +132,12 @@ def run_runtime(case: str, out_dir: str) -> None:
             evaluate(rt.forward_backward, parts.model, spec_of(cfg), eval_data, cfg["n"])
     if adaptive is not None:
         assert tuple(adaptive.factors) == tuple(cfg["factors"]), adaptive.factors
+    rt.drain()  # as at the end of training: the last stage's tied copy catches up
     _write(out_dir, case, "runtime", info, dict(
         losses=losses, steps=steps, max_drift=rt.drift.max,
-        histogram={str(k): v for k, v in sorted(rt.drift.histogram.items())}))
+        tied_after_drain=tied_sha256(parts.model, parts.optimizer),
+        histogram={str(k): v for k, v in sorted(rt.drift.histogram.items())},
+        tied_histogram={str(k): v for k, v in sorted(rt.tied_histogram.items())}))
 
 
 def run_emulator(case: str, out_dir: str) -> None:
@@ -148,7 +160,9 @@ def run_emulator(case: str, out_dir: str) -> None:
             losses=losses if s == cfg["pp"] - 1 else [], steps=steps,
             max_drift=max(stage.drift, default=0),
             histogram={str(k): v for k, v in sorted(stage.drift.items())},
-            audit=[dataclasses.asdict(v) for v in audits.get(s, [])]))
+            audit=[dataclasses.asdict(v) for v in audits.get(s, [])],
+            tied_histogram={str(k): v for k, v in sorted(emu.tied.histogram.items())}
+            if emu.tied is not None and s == cfg["pp"] - 1 else {}))
 
 
 def _hex(value):

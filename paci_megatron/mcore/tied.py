@@ -1,0 +1,221 @@
+"""Tied input/output embeddings under PACI, without a collective in the steady state.
+
+Stock Megatron keeps the first stage's word embedding and the last stage's output layer equal
+by all-reducing their gradients over the embedding group at every step. Under PACI that would
+make the last stage wait for the first at each local step. Instead:
+
+* stage 0 owns the tied weight; only its optimizer moves it;
+* the last stage sends its output-layer gradient of micro-batch group u (not yet reduced over
+  data parallel) right after the backward that closes u; stage 0 adds it to its own at its
+  local step u, before the data-parallel reduction (so stage 0 steps on the sum stock's
+  all-reduce computes), and sends the weight it stepped to;
+* the last stage installs stage 0's weight after step i at its own step i + L, L =
+  ``tied_lag(P, a)`` = ceil(P/a): the smallest lag at which that message has been sent before
+  the last stage needs it (stage 0 sends after step i, then runs forward (i+1)a-1+P, which the
+  last stage's step i + L waits for through the pipeline). Before that the last stage keeps
+  its copy where it was (its own optimizer's move is undone). Both copies therefore run
+  through the same values, the last stage's L steps late;
+* a drain (and an evaluation without drain, temporarily) brings the last stage's copy up to
+  date: stage 0 already sent every version, the last stage only receives.
+
+Staleness of the tied weight: a last-stage forward of group g uses owner version
+``max(0, g - L)`` and its gradient is applied by stage 0's step g, so it is at most L steps
+stale (``tied_lag``), measured per micro-batch and checked like the stage drift.
+
+The messages go over Megatron's embedding group (first and last stage of one tensor/data
+coordinate), point to point; no rank ever waits for one that was not already sent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import Counter, deque
+from typing import Any, Deque, List, Optional, Tuple
+
+import torch
+
+
+def tied_lag(num_stages: int, accumulation: int) -> int:
+    """Owner steps by which the last stage's copy trails stage 0's (and its staleness bound)."""
+    return math.ceil(num_stages / accumulation)
+
+
+def shared_weight(model) -> Optional[torch.nn.Parameter]:
+    """The stage's copy of the tied weight (embedding on stage 0, output layer on the last
+    stage), or None when the model is untied or the stage holds neither."""
+    inner = model
+    while hasattr(inner, "module"):
+        inner = inner.module
+    if not getattr(inner, "share_embeddings_and_output_weights", False):
+        return None
+    if not (getattr(inner, "pre_process", False) or getattr(inner, "post_process", False)):
+        return None
+    return inner.shared_embedding_or_output_weight()
+
+
+def main_param(optimizer, param) -> torch.Tensor:
+    """The tensor the optimizer steps for ``param``: its fp32 master copy under bf16, else
+    ``param`` itself."""
+    for opt in list(getattr(optimizer, "chained_optimizers", None) or [optimizer]):
+        for models, mains in zip(getattr(opt, "float16_groups", []),
+                                 getattr(opt, "fp32_from_float16_groups", [])):
+            for model_param, main in zip(models, mains):
+                if model_param is param:
+                    return main
+    return param
+
+
+def install(param, main, value: torch.Tensor) -> None:
+    """Set the master copy and the model weight to ``value`` (the model weight as Megatron
+    derives it from the master copy, so both stages' bf16 copies agree bit for bit)."""
+    with torch.no_grad():
+        if main is not param:
+            main.copy_(value)
+            param.data.copy_(main)
+        else:
+            param.data.copy_(value)
+
+
+def grad_of(param) -> torch.Tensor:
+    return param.main_grad if getattr(param, "main_grad", None) is not None else param.grad
+
+
+class TiedStalenessExceeded(RuntimeError):
+    pass
+
+
+class TiedEmbedding:
+    """One stage's half of the tied-weight exchange for one PACI stream (from an empty or
+    drained pipeline on; micro-batch and step numbers count from there)."""
+
+    def __init__(self, *, model, optimizer, stage: int, num_stages: int, accumulation: int,
+                 group, histogram: Counter, bound: Optional[int] = None):
+        self.weight = shared_weight(model)
+        self.main = main_param(optimizer, self.weight)
+        self.is_owner = stage == 0
+        self.accumulation = accumulation
+        self.lag = tied_lag(num_stages, accumulation)
+        self.bound = self.lag if bound is None else bound
+        self.group = group
+        me = torch.distributed.get_rank()
+        others = [r for r in torch.distributed.get_process_group_ranks(group) if r != me]
+        if len(others) != 1:
+            raise RuntimeError(f"the embedding group should pair this rank with one other "
+                               f"stage, it holds {sorted(others + [me])}")
+        self.peer = others[0]
+        self.steps = 0  # local steps of this stream
+        self.sends: List[Tuple[int, Any, torch.Tensor]] = []  # (step index, work, tensor)
+        self.inbox: Deque[torch.Tensor] = deque()  # owner weights received, not installed
+        self.received = 0  # owner weights received so far
+        self.installed = 0  # owner version the last stage's copy holds
+        self.snapshot: Optional[torch.Tensor] = None
+        self.histogram = histogram  # kept by the runtime across streams
+
+    # last stage ------------------------------------------------------------------------------
+    def on_forward(self, mb: int) -> None:
+        """Staleness of this micro-batch's use of the tied weight: stage 0 applies its
+        gradient at step mb // a; the copy used holds owner version ``installed``."""
+        stale = mb // self.accumulation - self.installed
+        if stale > self.bound:
+            raise TiedStalenessExceeded(
+                f"PACI tied-embedding staleness bound violated: micro-batch {mb} used owner "
+                f"version {self.installed}, its gradient is applied at owner step "
+                f"{mb // self.accumulation} (staleness {stale} > {self.bound})")
+        self.histogram[stale] += 1
+
+    def send_output_grad(self) -> None:
+        """After the backward that closes a group: the output layer's gradient to stage 0."""
+        grad = grad_of(self.weight).detach().clone()
+        work = torch.distributed.isend(grad, dst=self.peer, group=self.group)
+        self.sends.append((self.steps, work, grad))
+
+    def before_last_step(self) -> None:
+        if self.steps < self.lag:
+            self.snapshot = self.main.detach().clone()
+
+    def after_last_step(self) -> None:
+        """Undo this stage's own move of the tied weight: install stage 0's weight after its
+        step ``steps - L`` (or keep the stream's starting value before that)."""
+        if self.steps >= self.lag:
+            self._receive_upto(self.steps - self.lag + 1)
+            install(self.weight, self.main, self.inbox.popleft())
+            self.installed = self.steps - self.lag + 1
+        else:
+            install(self.weight, self.main, self.snapshot)
+            self.snapshot = None
+        self.steps += 1
+        # stage 0 received gradient u at its step u, which precedes this step if u <= steps-1-L
+        self._wait_sends(self.steps - 1 - self.lag)
+
+    def _receive_upto(self, count: int) -> None:
+        while self.received < count:
+            buf = torch.empty_like(self.main)
+            torch.distributed.irecv(buf, src=self.peer, group=self.group).wait()
+            self.inbox.append(buf)
+            self.received += 1
+
+    # stage 0 ---------------------------------------------------------------------------------
+    def add_output_grad(self) -> None:
+        """Before stage 0's data-parallel reduction at its step: add the last stage's gradient
+        of the same group (sent before stage 0's closing backward could run)."""
+        grad = grad_of(self.weight)
+        buf = torch.empty_like(grad)
+        torch.distributed.irecv(buf, src=self.peer, group=self.group).wait()
+        grad.add_(buf)
+
+    def send_weight(self) -> None:
+        """After stage 0's step: the stepped weight (its master copy) to the last stage."""
+        value = self.main.detach().clone()
+        work = torch.distributed.isend(value, dst=self.peer, group=self.group)
+        self.sends.append((self.steps, work, value))
+        self.steps += 1
+        # the last stage received weight i at its step i + L, done before this step if
+        # i + L <= steps - 2
+        self._wait_sends(self.steps - 2 - self.lag)
+
+    # both ------------------------------------------------------------------------------------
+    def _wait_sends(self, upto: int) -> None:
+        keep = []
+        for index, work, tensor in self.sends:
+            if index <= upto:
+                work.wait()
+            else:
+                keep.append((index, work, tensor))
+        self.sends = keep
+
+    def latest_for_eval(self) -> Optional[torch.Tensor]:
+        """Last stage, between two calls: stage 0's current weight (already sent), kept in the
+        inbox for the steps that will install it; None when the copy is current."""
+        if self.is_owner:
+            return None
+        self._receive_upto(self.steps)
+        return self.inbox[-1] if self.installed < self.steps and self.inbox else None
+
+    def drain(self) -> None:
+        """Both copies equal again: the last stage installs stage 0's newest weight; every
+        message of this stream is delivered."""
+        if not self.is_owner:
+            latest = self.latest_for_eval()
+            if latest is not None:
+                install(self.weight, self.main, latest)
+                self.installed = self.steps
+            self.inbox.clear()
+        self._wait_sends(self.steps)
+
+    def summary(self) -> dict:
+        return {"max": max(self.histogram, default=0), "bound": self.bound, "lag": self.lag,
+                "histogram": dict(sorted(self.histogram.items()))}
+
+
+def tied_sha256(model, optimizer) -> Optional[str]:
+    """SHA-256 of this stage's copy of the tied weight and of its optimizer's master copy
+    (None on a stage that holds neither): equal digests on stage 0 and the last stage mean
+    bit-identical copies."""
+    weight = shared_weight(model)
+    if weight is None:
+        return None
+    digest = hashlib.sha256()
+    for tensor in (weight, main_param(optimizer, weight)):
+        digest.update(tensor.detach().float().contiguous().cpu().numpy().tobytes())
+    return digest.hexdigest()
