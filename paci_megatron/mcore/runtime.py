@@ -22,8 +22,9 @@ from megatron.core.utils import get_model_config, get_model_type
 
 from ..autograd_versions import ZERO_CENTERED_GAMMA, keep_version_counters
 from ..executor import DriftStats, ReplayIterator, StageExecutor
-from ..schedule import (Action, Op, StreamPlan, check_max_drift, drift_bound, exchanges,
-                        plan_stream)
+from ..schedule import (Action, Op, StreamPlan, check_max_drift, check_per_call, drift_bound,
+                        exchanges, plan_stream)
+from . import param_gather
 
 STOCK_GET_FORWARD_BACKWARD_FUNC = mcore_schedules.get_forward_backward_func
 
@@ -94,6 +95,8 @@ class MegatronHandlers:
         state = self.state
         closes_group = (mb + 1) % self.rt.plan.accumulation == 0
         self.finish_send_of(mb)  # long done: the next stage already sent this one's gradient
+        if self.rt.gathers_params:  # never backward through half-gathered weights
+            param_gather.complete_param_gather(self.model)
         with self.rt.grad_sync(enabled=closes_group):
             grad = mcore_schedules.backward_step(
                 state.inputs.pop(mb, None), state.outputs.pop(mb), state.output_grads.pop(mb, None),
@@ -280,7 +283,9 @@ class PaciRuntime:
         if on_nonfinite not in ("skip", "abort"):
             raise ValueError(f"--paci-on-nonfinite must be skip or abort, got {on_nonfinite!r}")
         self.on_nonfinite = on_nonfinite
+        self.max_drift = max_drift
         self.skipped_steps = 0
+        self.gathers_params = False  # --overlap-param-gather: see param_gather.py
         self.optimizer = None
         self.lr_scheduler = None
         self.lr_increment = None
@@ -392,6 +397,8 @@ class PaciRuntime:
         if grads_are_finite(model, stage_grad_stats_group(self.optimizer)):
             with self._keep_versions_if_in_flight():
                 ok, grad_norm, _zeros = self.optimizer.step()
+            if self.gathers_params and not param_gather.pre_hooks_enabled(model):
+                param_gather.complete_param_gather(model)  # no forward pre-hook would
         else:
             self.skip_nonfinite_step(mb)
             ok, grad_norm = False, float("nan")
@@ -439,6 +446,9 @@ class PaciRuntime:
         self.call_index = 0
         self._model = model
         self._params = tuple(model.parameters())
+        self.gathers_params = self.kind == "paci" and param_gather.overlaps_param_gather(model)
+        if self.gathers_params:
+            param_gather.keep_versions_during_gathers(model, self._keep_versions_if_in_flight)
         self.data = ReplayIterator(data_iterator) if self.data is None else self.data
         if self.data.base is not data_iterator:
             self.data.base = data_iterator
@@ -510,7 +520,27 @@ class PaciRuntime:
             raise RuntimeError("drain with sends still pending (drain between calls only)")
         self.state = StageState()
         self.plan = None
+        if self.gathers_params:  # a checkpoint or the final weights read every shard
+            param_gather.complete_param_gather(self._model)
         return len(dropped)
+
+    def change_microbatches(self, num_microbatches: int, accumulation: int) -> int:
+        """--rampup-batch-size: from this iteration on, ``num_microbatches`` per call and a
+        local step every ``accumulation`` backwards. Every stage knows the iteration where the
+        number changes, so each drains there without communicating (the next call starts a
+        new stream, as after a flush). The LR increment per local step follows ``accumulation``
+        (it stays ``a x micro-batch x data-parallel`` samples); the drift bound reported and
+        enforced is the largest of the accumulation factors used. Returns the forwards dropped."""
+        check_per_call(num_microbatches, accumulation)
+        dropped = self.drain()
+        if accumulation != self.accumulation:
+            if self.lr_increment is not None:
+                self.lr_increment = self.lr_increment // self.accumulation * accumulation
+            self.accumulation = accumulation
+            if self.kind == "paci" and self.max_drift is None:
+                self.drift.bound = max(self.drift.bound,
+                                       drift_bound(self.num_stages, self.stage, accumulation))
+        return dropped
 
     # reporting ---------------------------------------------------------------------------------
     def drift_summary(self) -> dict:
