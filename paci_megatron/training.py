@@ -179,6 +179,7 @@ def setup(args, opts: ScheduleOptions) -> Job:
     runtime = SCHEDULES.get(args.pipeline_schedule).make(opts)
     uninstall = None
     if runtime is not None:
+        runtime.accumulation_follows = args.paci_accumulation_follows
         runtime.bind(optimizer, lr_scheduler,
                      lr_increment=opts.accumulation * opts.micro_batch_size * opts.data_parallel_size)
         uninstall = mcore_runtime.install_schedule(runtime.forward_backward)
@@ -296,17 +297,12 @@ def _micro_batches_now(job: Job) -> int:
     if job.ramp is None:
         return args.num_microbatches
     num_mb = job.ramp.micro_batches(job.consumed)
-    runtime = job.runtime
-    if runtime is None:
-        return num_mb
-    accumulation = num_mb if args.paci_accumulation_follows else runtime.accumulation
-    if accumulation != runtime.accumulation or (runtime.primed and runtime.plan.per_call != num_mb):
-        dropped = runtime.change_microbatches(num_mb, accumulation)
-        if job.reporter:
-            _log(f"> PACI: {num_mb} micro-batches per iteration from iteration "
-                 f"{job.iteration + 1} (--rampup-batch-size), accumulation factor "
-                 f"{accumulation}; drained the pipeline (this stage dropped {dropped} in-flight "
-                 "forwards; their data is replayed)")
+    dropped = job.runtime.use_microbatches(num_mb) if job.runtime is not None else None
+    if dropped is not None and job.reporter:
+        _log(f"> PACI: {num_mb} micro-batches per iteration from iteration {job.iteration + 1} "
+             f"(--rampup-batch-size), accumulation factor {job.runtime.accumulation}; drained "
+             f"the pipeline (this stage dropped {dropped} in-flight forwards; their data is "
+             "replayed)")
     return num_mb
 
 

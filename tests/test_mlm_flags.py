@@ -183,3 +183,28 @@ def test_rampup_with_a_fixed_accumulation_factor(ramp_runs, tmp_path):
     drift = run["summary"]["drift"]
     assert [(r["max"], r["bound"], r["steps"]) for r in drift] == [(1, 1, 16), (0, 0, 16)]
     assert [r["lr"] for r in run["records"]] == [r["lr"] for r in ramp_runs["1f1b"]["records"]]
+
+
+# --- why overlapped parameter gathers are complete before every backward ----------------------
+
+@pytest.mark.parametrize("kind", ["paci", "flush"])
+def test_a_local_step_is_followed_by_a_forward_not_a_backward(kind):
+    """With --overlap-param-gather the forward pre-hooks complete the all-gather of the shards
+    a step updated (paci_megatron/mcore/param_gather.py). That needs the next compute action
+    of the stage after a step to be a forward, in every call (0 and steady) and across the
+    boundary between calls, for every P <= 8, a <= 4 and M = a, 2a (flush: the sync warm-up)."""
+    from paci_megatron.schedule import COMPUTE_OPS, Op, plan_stream
+
+    checked = 0
+    for stages in range(1, 9):
+        for a in range(1, 5):
+            for m in (a, 2 * a):
+                plan = plan_stream(kind, stages, a if kind == "paci" else m, m)
+                for s in range(stages):
+                    ops = [act.op for k in range(4) for act in plan.call(k)[s]
+                           if act.op in COMPUTE_OPS or act.op == Op.STEP]
+                    for i, op in enumerate(ops[:-1]):
+                        if op == Op.STEP:
+                            assert ops[i + 1] == Op.FORWARD, (kind, stages, a, m, s, ops)
+                            checked += 1
+    assert checked > 300

@@ -7,27 +7,23 @@ all-gather itself. With overlap it is left to the next forward pass: a forward p
 module waits for its bucket's all-gather (starting it, and the next bucket's, when not yet
 started).
 
-Two things differ under PACI:
+Under PACI steps happen inside the forward-backward call, also while Megatron-LM keeps the
+pre-hooks off (its first iteration; evaluation): then nothing would gather before the next
+forward, so the local step gathers at once, as without overlap. With the pre-hooks on, the
+forward after a step completes every bucket before the stage's next backward (in every PACI
+action list a step is followed by a forward, never by a backward), so a backward reads the
+updated weights of every shard. A drain completes the gathers too (checkpoints and the final
+weights read every shard).
 
-* completing an all-gather writes the parameter buffer in place and bumps the parameters'
-  autograd version counters (torch 2.13 on gloo does it at ``wait()``), outside the local step
-  whose counters PACI restores; the backward of a micro-batch still in flight would then refuse
-  to run ("modified by an inplace operation"). So every start and finish of a bucket group's
-  all-gather keeps the counters (same argument as for the step: the backward reads the current
-  values from the same storage, which is what PACI wants);
-* steps happen inside the forward-backward call, also while Megatron-LM keeps the pre-hooks off
-  (its first iteration, evaluation): then nothing would gather before the next forward, so the
-  local step gathers at once (as without overlap).
-
-A backward never runs on half-gathered weights: before each backward (and at a drain) every
-bucket's all-gather is completed; in the steady state the forward between a step and the next
-backward has done so already, and the check costs nothing.
+Completing an all-gather writes the flat buffer, not the parameters: Megatron-Core points each
+parameter's ``.data`` at a slice of the buffer, and a parameter keeps its own autograd version
+counter, so the backward of a micro-batch in flight is not refused ("modified by an inplace
+operation") and reads the gathered values from the same storage.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Callable, ContextManager, List
+from typing import List
 
 
 def overlaps_param_gather(model) -> bool:
@@ -39,27 +35,6 @@ def overlaps_param_gather(model) -> bool:
 def _bucket_groups(model) -> List:
     return (list(getattr(model, "bucket_groups", []))
             + list(getattr(model, "expert_parallel_bucket_groups", [])))
-
-
-def keep_versions_during_gathers(model, guard: Callable[[], ContextManager]) -> None:
-    """Run every ``start_param_sync`` / ``finish_param_sync`` of the model's bucket groups
-    (whoever calls them: Megatron's pre-hooks, Megatron-LM's forced syncs, ours) inside
-    ``guard()``. Instance attributes, installed once per bucket group."""
-    for group in _bucket_groups(model):
-        if getattr(group, "_paci_keeps_versions", False):
-            continue
-        for name in ("start_param_sync", "finish_param_sync"):
-            setattr(group, name, _guarded(getattr(group, name), guard))
-        group._paci_keeps_versions = True
-
-
-def _guarded(method, guard):
-    @functools.wraps(method)
-    def run(*args, **kwargs):
-        with guard():
-            return method(*args, **kwargs)
-
-    return run
 
 
 def pre_hooks_enabled(model) -> bool:

@@ -95,8 +95,6 @@ class MegatronHandlers:
         state = self.state
         closes_group = (mb + 1) % self.rt.plan.accumulation == 0
         self.finish_send_of(mb)  # long done: the next stage already sent this one's gradient
-        if self.rt.gathers_params:  # never backward through half-gathered weights
-            param_gather.complete_param_gather(self.model)
         with self.rt.grad_sync(enabled=closes_group):
             grad = mcore_schedules.backward_step(
                 state.inputs.pop(mb, None), state.outputs.pop(mb), state.output_grads.pop(mb, None),
@@ -286,6 +284,7 @@ class PaciRuntime:
         self.max_drift = max_drift
         self.skipped_steps = 0
         self.gathers_params = False  # --overlap-param-gather: see param_gather.py
+        self.accumulation_follows = False  # a = M when M changes (use_microbatches)
         self.optimizer = None
         self.lr_scheduler = None
         self.lr_increment = None
@@ -447,8 +446,6 @@ class PaciRuntime:
         self._model = model
         self._params = tuple(model.parameters())
         self.gathers_params = self.kind == "paci" and param_gather.overlaps_param_gather(model)
-        if self.gathers_params:
-            param_gather.keep_versions_during_gathers(model, self._keep_versions_if_in_flight)
         self.data = ReplayIterator(data_iterator) if self.data is None else self.data
         if self.data.base is not data_iterator:
             self.data.base = data_iterator
@@ -524,13 +521,19 @@ class PaciRuntime:
             param_gather.complete_param_gather(self._model)
         return len(dropped)
 
-    def change_microbatches(self, num_microbatches: int, accumulation: int) -> int:
-        """--rampup-batch-size: from this iteration on, ``num_microbatches`` per call and a
-        local step every ``accumulation`` backwards. Every stage knows the iteration where the
+    def use_microbatches(self, num_microbatches: int) -> Optional[int]:
+        """--rampup-batch-size: the next call has ``num_microbatches``; with
+        ``accumulation_follows`` (no explicit --paci-accumulation-factor) a local step closes
+        each call, i.e. a becomes that number too. Every stage knows the iteration where the
         number changes, so each drains there without communicating (the next call starts a
-        new stream, as after a flush). The LR increment per local step follows ``accumulation``
-        (it stays ``a x micro-batch x data-parallel`` samples); the drift bound reported and
-        enforced is the largest of the accumulation factors used. Returns the forwards dropped."""
+        new stream, as after a flush). The LR increment per local step follows a (it stays
+        ``a x micro-batch x data-parallel`` samples); the drift bound reported and enforced is
+        the largest of the accumulation factors' bounds. Returns the forwards dropped, or None
+        where nothing changed."""
+        accumulation = num_microbatches if self.accumulation_follows else self.accumulation
+        if accumulation == self.accumulation and not (
+                self.primed and self.plan.per_call != num_microbatches):
+            return None
         check_per_call(num_microbatches, accumulation)
         dropped = self.drain()
         if accumulation != self.accumulation:
