@@ -111,12 +111,12 @@ def check_rampup(args: argparse.Namespace) -> None:
     model_parallel = (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
                       * (getattr(args, "context_parallel_size", 1) or 1))
     per_step = args.micro_batch_size * max(1, getattr(args, "world_size", 1) // model_parallel)
-    sizes = range(int(rampup[0]), (args.global_batch_size or per_step) + 1, int(rampup[1]))
-    if getattr(args, "decrease_batch_size_if_needed", False):
-        counts = [size // per_step for size in sizes]
+    start, incr, samples = (int(x) for x in rampup)
+    final = args.global_batch_size or per_step
+    if getattr(args, "decrease_batch_size_if_needed", False):  # Megatron rounds each size down
+        counts = [size // per_step for size in range(start, final + 1, incr)]
     else:
-        counts = rampup_micro_batches([int(x) for x in rampup],
-                                      args.global_batch_size or per_step, per_step)
+        counts = rampup_micro_batches([start, incr, samples], final, per_step)
     bad = [m for m in counts if m % accumulation]
     if bad:
         raise ValueError(

@@ -364,7 +364,8 @@ def test_dp2_distributed_optimizer_with_overlaps_equals_plain(dp2_runs):
 
 # global batch 4 (M=2) for the first 32 samples, then 8 (M=4); Megatron-LM wants sample-based
 # training with a ramp: 8 iterations of 4 samples and 4 of 8
-RAMP_FLAGS = [flag for flag in MODEL_FLAGS if flag not in ("--train-iters", "4")] + [
+_AT = MODEL_FLAGS.index("--train-iters")
+RAMP_FLAGS = MODEL_FLAGS[:_AT] + MODEL_FLAGS[_AT + 2:] + [
     "--train-samples", "64", "--rampup-batch-size", "4", "4", "32", "--eval-iters", "1"]
 
 

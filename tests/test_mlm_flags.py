@@ -208,3 +208,21 @@ def test_a_local_step_is_followed_by_a_forward_not_a_backward(kind):
                             assert ops[i + 1] == Op.FORWARD, (kind, stages, a, m, s, ops)
                             checked += 1
     assert checked > 300
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_resume_with_the_distributed_optimizer_and_overlaps_is_exact(tmp_path):
+    """DP=2, distributed optimizer, both overlaps: train 3 of 6, save (a drain, which completes
+    the parameter all-gather), stop, load, train to 6 == train 6 saving at 3."""
+    flags = DP2 + OVERLAPS
+    whole = _run(tmp_path, "whole", flags + ["--save", str(tmp_path / "a"),
+                                             "--save-interval", "3"], nproc=4)
+    first = _run(tmp_path, "first", flags + ["--save", str(tmp_path / "b"),
+                                             "--exit-interval", "3"], nproc=4)
+    second = _run(tmp_path, "second", flags + ["--load", str(tmp_path / "b")], nproc=4)
+    assert "loaded checkpoint" in second["out"]
+    losses = lambda *runs: {r["iteration"]: r["lm_loss"] for run in runs for r in run["records"]}
+    assert sorted(losses(first, second)) == list(range(1, 7))
+    assert losses(first, second) == losses(whole)
+    assert second["summary"]["weights_sha256"] == whole["summary"]["weights_sha256"]

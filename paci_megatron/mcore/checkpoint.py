@@ -73,7 +73,12 @@ def _sharded_state(model, optimizer, is_loading: bool) -> Dict:
     merged = {}
     for part in state.values():
         merged.update(part)
-    state["optimizer"] = optimizer.sharded_state_dict(merged, is_loading=is_loading)
+    # the distributed optimizer's default format (flattened ranges) can no longer be written;
+    # Megatron-LM's default since then is per-data-parallel-group shards
+    metadata = ({"distrib_optim_sharding_type": "dp_reshardable"}
+                if getattr(optimizer.config, "use_distributed_optimizer", False) else None)
+    state["optimizer"] = optimizer.sharded_state_dict(merged, is_loading=is_loading,
+                                                      metadata=metadata)
     state["rng_state"] = _rng_sharded(None if is_loading else _rng_state())
     return state
 
