@@ -188,7 +188,7 @@ def setup(args, opts: ScheduleOptions) -> Job:
               mcore_runtime.get_forward_backward_func(), datasets, reporter, uninstall=uninstall)
     if args.rampup_batch_size:
         job.ramp = build.BatchRamp(args.rampup_batch_size, args.global_batch_size,
-                                   args.micro_batch_size, info["dp_size"])
+                                   args.micro_batch_size, info["dp_size"], rank=info["rank"])
     if args.load:
         _load(job)
     restart = restart_count(os.environ)

@@ -226,3 +226,23 @@ def test_resume_with_the_distributed_optimizer_and_overlaps_is_exact(tmp_path):
     assert sorted(losses(first, second)) == list(range(1, 7))
     assert losses(first, second) == losses(whole)
     assert second["summary"]["weights_sha256"] == whole["summary"]["weights_sha256"]
+
+
+@pytest.mark.parametrize("follows,accumulation,sync,expected", [
+    (True, 2, 0, 10),   # a = M: one local step per iteration
+    (False, 2, 0, 12),  # 8 iterations of M=2 (1 step each), then 2 of M=4 (2 each)
+    (False, 2, 9, 11),  # the first 9 iterations are stock 1F1B (one step each)
+])
+def test_resume_counts_the_local_steps_of_a_ramp(follows, accumulation, sync, expected):
+    """After --load at iteration 10 of the RAMP run, weight versions continue from the local
+    steps already taken (M = 2 for 32 samples of 4, then 4)."""
+    import types
+
+    from paci_megatron.mcore.build import BatchRamp
+    from paci_megatron.training import _local_steps_before
+
+    args = types.SimpleNamespace(paci_sync_iters=sync, paci_accumulation_follows=follows,
+                                 paci_accumulation_factor=accumulation, micro_batch_size=2)
+    job = types.SimpleNamespace(args=args, iteration=10, info={"dp_size": 1},
+                                ramp=BatchRamp([4, 4, 32], 8, 2, 1))
+    assert _local_steps_before(job) == expected

@@ -501,7 +501,7 @@ class BatchRamp:
     process-wide global): the number of micro-batches per iteration after a number of samples."""
 
     def __init__(self, rampup, global_batch_size: int, micro_batch_size: int,
-                 data_parallel_size: int):
+                 data_parallel_size: int, rank: int = 0):
         from megatron.core.num_microbatches_calculator import (
             RampupBatchsizeNumMicroBatchesCalculator,
         )
@@ -509,7 +509,7 @@ class BatchRamp:
         start, incr, samples = rampup
         self.calculator = RampupBatchsizeNumMicroBatchesCalculator(
             global_batch_size, micro_batch_size, data_parallel_size,
-            decrease_batch_size_if_needed=False, rank=torch.distributed.get_rank(),
+            decrease_batch_size_if_needed=False, rank=rank,
             start_global_batch_size=start, batch_size_increment=incr, ramup_samples=samples)
 
     def micro_batches(self, consumed_samples: int) -> int:
