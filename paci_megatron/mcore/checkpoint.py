@@ -192,12 +192,22 @@ def weights_sha256(model: List[torch.nn.Module]) -> str:
     return digest.hexdigest()
 
 
+def _give_distributed_optimizer_a_state(optimizer) -> None:
+    """Without Apex/TE the distributed optimizer's state_dict() reads each parameter's Adam
+    'step', which a fresh optimizer does not have yet; Megatron-Core's own placeholder step
+    (zero gradients) creates the state that the load then overwrites in place."""
+    for sub in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        if getattr(sub.config, "use_distributed_optimizer", False) and not sub.optimizer.state:
+            sub._init_optimizer_states_with_dummy_values()
+
+
 def load_checkpoint(root: str, model, optimizer, lr_scheduler) -> Dict:
     """Restores everything in place from the newest complete checkpoint under ``root`` (which
     must hold one); returns {'iteration': ..., 'extra': {...}, 'path': ...}."""
     path = find_checkpoint(root)
     if path is None:
         raise CheckpointError(f"--load {root}: no checkpoint there")
+    _give_distributed_optimizer_a_state(optimizer)
     template = _sharded_state(model, optimizer, is_loading=True)
     try:
         common = dist_checkpointing.load_common_state_dict(path)
