@@ -217,7 +217,8 @@ def load_checkpoint(root: str, model, optimizer, lr_scheduler) -> Dict:
                               f"{exc}") from exc
     for key, chunk in zip(_model_keys(model), model):
         _unwrap_ddp(chunk).load_state_dict(loaded[key])
-    optimizer.load_state_dict(loaded["optimizer"])
+    with torch.no_grad():  # the distributed optimizer copies into views of the parameters
+        optimizer.load_state_dict(loaded["optimizer"])
     lr_scheduler.load_state_dict(common["lr_scheduler"])
     _set_rng_state(loaded["rng_state"])
     return {"iteration": int(common["iteration"]), "extra": dict(common.get("extra", {})),
