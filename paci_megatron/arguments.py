@@ -137,6 +137,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-beta1", type=_probability("--adam-beta1"), default=0.9)
     g.add_argument("--adam-beta2", type=_probability("--adam-beta2"), default=0.999)
     g.add_argument("--clip-grad", type=_non_negative_float("--clip-grad"), default=1.0)
+    g.add_argument("--rampup-batch-size", nargs=3, type=_positive("--rampup-batch-size"),
+                   default=None, metavar=("START", "INCR", "SAMPLES"),
+                   help="as in Megatron-LM: the global batch size starts at START and grows by "
+                        "INCR, evenly over the first SAMPLES samples, up to --global-batch-size "
+                        "(PACI drains where the number of micro-batches changes)")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard the optimizer state over the data-parallel ranks of a stage")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="start the data-parallel gradient reduction during the backward pass")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="with --use-distributed-optimizer and --overlap-grad-reduce: gather the "
+                        "updated parameters during the next forward pass")
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--seed", type=_bounded_int("--seed", 0), default=1234)
@@ -286,6 +298,8 @@ def validate(args: argparse.Namespace, world_size: int) -> ScheduleOptions:
                           f" = {per_step}")
     num_mb = args.global_batch_size // per_step
     args.num_microbatches = num_mb
+    ramp = rampup_micro_batches(args.rampup_batch_size, args.global_batch_size, per_step)
+    _validate_data_parallel_flags(args)
     if args.fp16 and args.bf16:
         raise ConfigError("--fp16 and --bf16 are exclusive; pick one")
     if args.fp16:
@@ -302,14 +316,23 @@ def validate(args: argparse.Namespace, world_size: int) -> ScheduleOptions:
         raise ConfigError("--paci-accumulation-factor auto does not support tied embeddings "
                           "yet (the tied weight's lag is set for a fixed a); add "
                           "--untie-embeddings-and-output-weights or give a number")
+    if adapt_interval and ramp:
+        raise ConfigError("--paci-accumulation-factor auto does not support --rampup-batch-size "
+                          "yet (its candidates are the divisors of one M); give a number or "
+                          "drop --rampup-batch-size")
+    # with --rampup-batch-size the default a follows M (a = M at every batch size)
+    args.paci_accumulation_follows = args.paci_accumulation_factor is None
     if args.paci_accumulation_factor is None or adapt_interval:
-        args.paci_accumulation_factor = num_mb  # auto starts at a = N (fewest stale)
+        args.paci_accumulation_factor = ramp[0] if ramp else num_mb  # auto starts at a = N
+    if ramp and args.pipeline_schedule == "paci":
+        _check_accumulation_divides(args.paci_accumulation_factor, ramp,
+                                    args.paci_accumulation_follows)
     try:
         entry = SCHEDULES.get(args.pipeline_schedule)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     opts = ScheduleOptions(
-        pipeline_size=pp, virtual_size=vpp, num_microbatches=num_mb,
+        pipeline_size=pp, virtual_size=vpp, num_microbatches=ramp[0] if ramp else num_mb,
         accumulation=args.paci_accumulation_factor, max_drift=args.paci_max_drift,
         micro_batch_size=args.micro_batch_size, data_parallel_size=dp,
         on_nonfinite=args.paci_on_nonfinite, sync_iters=args.paci_sync_iters,
@@ -359,6 +382,59 @@ def _adaptive_flags(args) -> int:
         if auto and getattr(args, attr) is None:
             setattr(args, attr, default)
     return args.paci_adapt_interval if auto else 0
+
+
+def rampup_micro_batches(rampup: Optional[Sequence[int]], global_batch_size: int,
+                         per_step: int) -> List[int]:
+    """Every number of micro-batches per iteration that ``--rampup-batch-size START INCR
+    SAMPLES`` goes through (START, START+INCR, ..., --global-batch-size, each divided by
+    micro-batch x data-parallel size); [] without a ramp. Raises ConfigError naming the flag."""
+    if rampup is None:
+        return []
+    start, incr, _samples = rampup
+    flag = f"--rampup-batch-size {start} {incr} {_samples}"
+    if start == global_batch_size:
+        raise ConfigError(f"{flag}: START equals --global-batch-size, so there is nothing to "
+                          "ramp up; drop --rampup-batch-size or lower START")
+    if start > global_batch_size or (global_batch_size - start) % incr:
+        raise ConfigError(f"{flag}: START must be at most --global-batch-size "
+                          f"{global_batch_size} and reach it in steps of INCR")
+    sizes = list(range(start, global_batch_size + 1, incr))
+    bad = [size for size in sizes if size % per_step]
+    if bad:
+        raise ConfigError(f"{flag}: the batch sizes {bad} are not divisible by --micro-batch-size"
+                          f" x data-parallel size = {per_step}; pick START and INCR multiples "
+                          f"of {per_step}")
+    return [size // per_step for size in sizes]
+
+
+def _check_accumulation_divides(accumulation: int, ramp: List[int], follows: bool) -> None:
+    """An explicit accumulation factor stays fixed while M ramps up: it must divide every M."""
+    if follows:
+        return
+    bad = [m for m in ramp if m % accumulation]
+    if bad:
+        raise ConfigError(
+            f"--paci-accumulation-factor {accumulation} must divide every number of "
+            f"micro-batches per iteration that --rampup-batch-size goes through {ramp} (not "
+            f"{bad}); pick a common divisor, or drop --paci-accumulation-factor (a then equals "
+            "the number of micro-batches at every batch size)")
+
+
+def _validate_data_parallel_flags(args) -> None:
+    """Megatron-LM's own rules for the overlap flags."""
+    if args.overlap_param_gather and not (args.use_distributed_optimizer
+                                          and args.overlap_grad_reduce):
+        raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer and "
+                          "--overlap-grad-reduce (as in Megatron-LM); add them or drop it")
+    tied = (args.pipeline_schedule == "paci" and not args.untie_embeddings_and_output_weights
+            and (args.pipeline_model_parallel_size or 1) > 1)
+    for flag, on in (("--use-distributed-optimizer", args.use_distributed_optimizer),
+                     ("--overlap-grad-reduce", args.overlap_grad_reduce)):
+        if tied and on:
+            # the output layer's gradient is sent to stage 0 before any data-parallel reduction
+            raise ConfigError(f"--pipeline-schedule paci with tied embeddings does not support "
+                              f"{flag} yet; drop it or add --untie-embeddings-and-output-weights")
 
 
 def _validate_data_and_outputs(args) -> None:

@@ -90,13 +90,7 @@ def validate_flags(args: argparse.Namespace) -> None:
                          "--overlap-grad-reduce yet (the output-layer gradient is sent before "
                          "the data-parallel reduction); drop it or add "
                          "--untie-embeddings-and-output-weights")
-    if args.rampup_batch_size is not None:
-        raise ValueError("--pipeline-schedule paci keeps micro-batches in flight across "
-                         "iterations and needs a fixed number of them; drop --rampup-batch-size")
-    if args.overlap_param_gather:
-        raise ValueError("--pipeline-schedule paci steps each stage's optimizer inside the "
-                         "forward-backward function, where the overlapped parameter all-gather "
-                         "of --overlap-param-gather is not started; drop --overlap-param-gather")
+    check_rampup(args)
     rerun_mode = getattr(args, "rerun_mode", "disabled")
     if rerun_mode not in ("disabled", "validate_results"):
         raise ValueError(f"--pipeline-schedule paci cannot re-run iterations (micro-batches stay "
@@ -107,6 +101,34 @@ def validate_flags(args: argparse.Namespace) -> None:
     if getattr(args, "calculate_per_token_loss", False):
         raise ValueError("--pipeline-schedule paci does not support --calculate-per-token-loss "
                          "(its token count is broadcast across all stages at every step)")
+
+
+def check_rampup(args: argparse.Namespace) -> None:
+    """--rampup-batch-size: PACI drains where the number of micro-batches M changes; an
+    explicit --paci-accumulation-factor must divide every M of the ramp (the default follows
+    M). Data-parallel size as Megatron-LM will derive it (world / (TP x PP x CP))."""
+    from .arguments import rampup_micro_batches
+
+    rampup = getattr(args, "rampup_batch_size", None)
+    accumulation = args.paci_accumulation_factor
+    if rampup is None or accumulation is None:
+        return
+    model_parallel = (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+                      * (getattr(args, "context_parallel_size", 1) or 1))
+    per_step = args.micro_batch_size * max(1, getattr(args, "world_size", 1) // model_parallel)
+    start, incr, samples = (int(x) for x in rampup)
+    final = args.global_batch_size or per_step
+    if getattr(args, "decrease_batch_size_if_needed", False):  # Megatron rounds each size down
+        counts = [size // per_step for size in range(start, final + 1, incr)]
+    else:
+        counts = rampup_micro_batches([start, incr, samples], final, per_step)
+    bad = [m for m in counts if m % accumulation]
+    if bad:
+        raise ValueError(
+            f"--paci-accumulation-factor {accumulation} must divide every number of "
+            f"micro-batches per iteration that --rampup-batch-size goes through {counts} (not "
+            f"{bad}); pick a common divisor, or drop --paci-accumulation-factor (a then equals "
+            "the number of micro-batches at every batch size)")
 
 
 def refuse_stage_crossing_collectives(args: argparse.Namespace) -> None:
@@ -163,6 +185,8 @@ def make_runtime(margs, num_microbatches: int):
     except ValueError as exc:
         raise SystemExit(f"{os.path.basename(sys.argv[0])}: error: {exc}") from None
     runtime = entry.make(opts)
+    # --rampup-batch-size: without --paci-accumulation-factor, a follows M
+    runtime.accumulation_follows = margs.paci_accumulation_factor is None
     if margs.rank == 0:
         print(f"> PACI: accumulation factor {accumulation} of {num_microbatches} micro-batches "
               f"per iteration ({num_microbatches // accumulation} local steps per stage and "

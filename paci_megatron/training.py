@@ -64,6 +64,7 @@ class Job:
     live_meter: Any = None  # --measure-memory on CPU: every live tensor of this stage
     started: float = field(default_factory=time.perf_counter)
     save_clock: Optional[SaveClock] = None  # --save-interval-minutes
+    ramp: Any = None  # --rampup-batch-size: build.BatchRamp
 
 
 def _gpt_spec(args):
@@ -162,11 +163,14 @@ def setup(args, opts: ScheduleOptions) -> Job:
         timeout_s=args.distributed_timeout_minutes * 60, seed=args.seed)
     datasets = _datasets(args, tokenizer)
     spec = _gpt_spec(args)
-    model = build.build_gpt_model(spec, seed=args.seed)
+    model = build.build_gpt_model(
+        spec, seed=args.seed, use_distributed_optimizer=args.use_distributed_optimizer,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather)
     optimizer = build.build_optimizer(
         model, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad,
-        bf16=args.bf16)
+        bf16=args.bf16, use_distributed_optimizer=args.use_distributed_optimizer)
     gbs = args.global_batch_size
     lr_scheduler = build.build_lr_scheduler(
         optimizer, lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_iters * gbs,
@@ -176,12 +180,16 @@ def setup(args, opts: ScheduleOptions) -> Job:
     runtime = SCHEDULES.get(args.pipeline_schedule).make(opts)
     uninstall = None
     if runtime is not None:
+        runtime.accumulation_follows = args.paci_accumulation_follows
         runtime.bind(optimizer, lr_scheduler,
                      lr_increment=opts.accumulation * opts.micro_batch_size * opts.data_parallel_size)
         uninstall = mcore_runtime.install_schedule(runtime.forward_backward)
     reporter = info["is_last"] and info["tp_rank"] == 0 and info["dp_rank"] == 0
     job = Job(args, opts, info, spec, model, optimizer, lr_scheduler, runtime,
               mcore_runtime.get_forward_backward_func(), datasets, reporter, uninstall=uninstall)
+    if args.rampup_batch_size:
+        job.ramp = build.BatchRamp(args.rampup_batch_size, args.global_batch_size,
+                                   args.micro_batch_size, info["dp_size"], rank=info["rank"])
     if args.load:
         _load(job)
     restart = restart_count(os.environ)
@@ -225,6 +233,8 @@ def _load(job: Job) -> None:
                                           job.iteration * args.global_batch_size))
     if job.runtime is not None:  # weight versions count local steps since the start
         job.runtime.resume_at(job.iteration, args.num_microbatches)
+        if job.ramp is not None:
+            job.runtime.drift.version = _local_steps_before(job)
     if job.reporter:
         _log(f"> loaded checkpoint from {args.load} at iteration {job.iteration} "
              f"({job.consumed} samples consumed; {state['path']})")
@@ -280,25 +290,56 @@ def _write_metrics(job: Job, record: Dict) -> None:
                                            v, step)
 
 
+def _micro_batches_now(job: Job) -> int:
+    """M for this iteration: fixed, or from --rampup-batch-size. Where M changes, PACI drains
+    (every stage computes the same M from the same consumed samples: no communication) and a
+    default accumulation factor becomes the new M."""
+    args = job.args
+    if job.ramp is None:
+        return args.num_microbatches
+    num_mb = job.ramp.micro_batches(job.consumed)
+    dropped = job.runtime.use_microbatches(num_mb) if job.runtime is not None else None
+    if dropped is not None and job.reporter:
+        _log(f"> PACI: {num_mb} micro-batches per iteration from iteration {job.iteration + 1} "
+             f"(--rampup-batch-size), accumulation factor {job.runtime.accumulation}; drained "
+             f"the pipeline (this stage dropped {dropped} in-flight forwards; their data is "
+             "replayed)")
+    return num_mb
+
+
+def _local_steps_before(job: Job) -> int:
+    """Local steps a stage took in the first ``job.iteration`` iterations of a ramped run."""
+    args, steps, consumed = job.args, 0, 0
+    for it in range(job.iteration):
+        num_mb = job.ramp.micro_batches(consumed)
+        sync = it < args.paci_sync_iters
+        steps += 1 if sync or args.paci_accumulation_follows else \
+            num_mb // args.paci_accumulation_factor
+        consumed += num_mb * args.micro_batch_size * job.info["dp_size"]
+    return steps
+
+
 def train_step(job: Job) -> Dict:
     args = job.args
+    num_mb = _micro_batches_now(job)
+    samples = num_mb * args.micro_batch_size * job.info["dp_size"]
     if job.runtime is None:
         for chunk in job.model:
             chunk.zero_grad_buffer()
         job.optimizer.zero_grad()
     losses = job.forward_backward(
         forward_step_func=job.forward_step, data_iterator=job.train_data, model=job.model,
-        num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+        num_microbatches=num_mb, seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, forward_only=False)
     if job.runtime is None:
         ok, grad_norm, _ = job.optimizer.step()
         if ok:
-            job.lr_scheduler.step(increment=args.global_batch_size)
+            job.lr_scheduler.step(increment=samples)
     else:
         grad_norm = job.runtime.steps[-1].grad_norm if job.runtime.steps else None
     job.iteration += 1
-    job.consumed += args.global_batch_size
-    return {"loss": _mean_loss(losses), "grad_norm": grad_norm}
+    job.consumed += samples
+    return {"loss": _mean_loss(losses), "grad_norm": grad_norm, "samples": samples}
 
 
 def evaluate(job: Job) -> Optional[float]:
@@ -389,7 +430,7 @@ def _log_iteration(job: Job, step: Dict, elapsed_ms: float) -> None:
     drift = [row and row["max"] for row in stats] if stats else None
     skipped = ([row and row["skipped_steps"] for row in stats] if stats
                else [0] * job.info["pp_size"])
-    tokens_per_s = args.global_batch_size * args.seq_length / (elapsed_ms / 1000.0)
+    tokens_per_s = step["samples"] * args.seq_length / (elapsed_ms / 1000.0)
     lr = job.optimizer.param_groups[0]["lr"]
     gn = "n/a" if step["grad_norm"] is None else f"{step['grad_norm']:.3f}"
     drift_text = f" | PACI drift max (this stage) {drift[-1]}" if drift is not None else ""

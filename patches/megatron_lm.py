@@ -812,7 +812,9 @@ class PaciTrainingHooks:
         forward-backward call takes the stage's local steps; ``train_step``'s own
         ``optimizer.step()`` and ``opt_param_scheduler.step()`` then only report / do nothing.
         Its zeroing of gradients before the call is kept: every call ends with a local step
-        (``a`` divides the micro-batches), so the gradients are already zero then."""
+        (``a`` divides the micro-batches), so the gradients are already zero then. Where
+        ``--rampup-batch-size`` changes the number of micro-batches (Megatron-LM updates it
+        before calling ``train_step``), the runtime drains first (``use_microbatches``)."""
 
         @functools.wraps(original)
         def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
@@ -822,12 +824,24 @@ class PaciTrainingHooks:
                 return original(forward_step_func, data_iterator, model, optimizer,
                                 opt_param_scheduler, config, forward_backward_func,
                                 iteration=iteration)
+            self.follow_batch_size()
             return original(forward_step_func, data_iterator, model,
                             LocalStepOptimizer(optimizer, runtime, len(runtime.steps)),
                             LocalStepScheduler(opt_param_scheduler), config,
                             forward_backward_func, iteration=iteration)
 
         return train_step
+
+    def follow_batch_size(self) -> None:
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        num_microbatches = get_num_microbatches()
+        dropped = self.runtime.use_microbatches(num_microbatches)
+        if dropped is not None:
+            self.log(f"> PACI: {num_microbatches} micro-batches per iteration from here on "
+                     f"(--rampup-batch-size), accumulation factor {self.runtime.accumulation}; "
+                     f"drained the pipeline (stage {self.runtime.stage} dropped {dropped} "
+                     "in-flight forwards; their data is replayed)")
 
     def save_checkpoint(self, original):
         """Drain before any checkpoint Megatron-LM writes (interval, exit, signal, end of

@@ -71,7 +71,8 @@ def _megatron_args(**overrides):
                 num_virtual_stages_per_pipeline_rank=None, pipeline_model_parallel_size=2,
                 untie_embeddings_and_output_weights=True, rampup_batch_size=None,
                 overlap_param_gather=False, rerun_mode="validate_results",
-                calculate_per_token_loss=False)
+                calculate_per_token_loss=False, tensor_model_parallel_size=1, world_size=2,
+                micro_batch_size=2, global_batch_size=16)
     base.update(overrides)
     return types.SimpleNamespace(**base)
 
@@ -82,8 +83,10 @@ def _megatron_args(**overrides):
     (dict(untie_embeddings_and_output_weights=False, overlap_grad_reduce=True),
      "--overlap-grad-reduce"),
     (dict(num_layers_per_virtual_pipeline_stage=1), "virtual pipeline stages"),
-    (dict(rampup_batch_size=[8, 8, 100]), "--rampup-batch-size"),
-    (dict(overlap_param_gather=True), "--overlap-param-gather"),
+    # M goes 2, 4, 6, 8 (data-parallel size 1 at P=2 on 2 ranks): a=4 divides neither 2 nor 6
+    (dict(rampup_batch_size=[4, 4, 100], paci_accumulation_factor=4),
+     "--paci-accumulation-factor 4 must divide every number of micro-batches per iteration "
+     "that --rampup-batch-size goes through [2, 4, 6, 8] (not [2, 6])"),
     (dict(rerun_mode="report_determinism_stats"), "--rerun-mode"),
     (dict(apply_layernorm_1p=True), "--apply-layernorm-1p"),
     (dict(fp16=True), "--fp16"),
@@ -93,6 +96,13 @@ def _megatron_args(**overrides):
 def test_bad_flag_combinations_are_refused(overrides, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         paci_run.validate_flags(_megatron_args(**overrides))
+
+
+def test_rampup_and_overlapped_param_gather_are_accepted():
+    paci_run.validate_flags(_megatron_args(rampup_batch_size=[4, 4, 100]))  # a follows M
+    paci_run.validate_flags(_megatron_args(rampup_batch_size=[4, 4, 100],
+                                           paci_accumulation_factor=2))
+    paci_run.validate_flags(_megatron_args(overlap_param_gather=True))
 
 
 def test_stock_schedules_are_not_checked():
@@ -168,12 +178,13 @@ def test_other_megatron_lm_versions_are_refused(tmp_path):
 
 # --- Megatron-LM's pretrain_gpt.py end to end -----------------------------------------------
 
-def run_pretrain_gpt(extra, cwd, timeout=300, model_flags=MODEL_FLAGS):
-    """torchrun 2 processes of ``-m paci_megatron.run pretrain_gpt.py``; (rc, stdout, stderr).
-    On a timeout both workers and torchrun are killed (torchrun starts each worker in a
-    session of its own)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "paci_megatron.run", PRETRAIN_GPT, *CPU_FLAGS, *model_flags, *extra]
+def run_pretrain_gpt(extra, cwd, timeout=300, nproc=2, model_flags=MODEL_FLAGS):
+    """torchrun ``nproc`` processes of ``-m paci_megatron.run pretrain_gpt.py``; (rc, stdout,
+    stderr). On a timeout both workers and torchrun are killed (torchrun starts each worker in
+    a session of its own)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", "-m", "paci_megatron.run", PRETRAIN_GPT, *CPU_FLAGS,
+           *model_flags, *extra]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p))
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -190,8 +201,8 @@ def run_pretrain_gpt(extra, cwd, timeout=300, model_flags=MODEL_FLAGS):
     return proc.returncode, out, err
 
 
-def _ok(extra, cwd):
-    rc, out, err = run_pretrain_gpt(extra, cwd)
+def _ok(extra, cwd, **kwargs):
+    rc, out, err = run_pretrain_gpt(extra, cwd, **kwargs)
     assert rc == 0, f"exit code {rc}\n--- stdout ---\n{out[-6000:]}\n--- stderr ---\n{err[-6000:]}"
     return out
 
@@ -350,3 +361,57 @@ def test_a_killed_rank_restarts_through_the_drop_in(tmp_path):
     assert done == [1, 2, 3, 3, 4, 5, 6], out[-3000:]  # 3 again after the resume, then on
     assert sorted(os.listdir(ckpt)) == ["iter_0000002", "iter_0000004", "iter_0000006",
                                         "latest_checkpointed_iteration.txt"]
+
+
+# --- data parallelism, the distributed optimizer, overlaps, batch-size ramp-up -----------------
+
+@pytest.fixture(scope="module")
+def dp2_runs(tmp_path_factory):
+    """P=2 x DP=2 under PACI (a=2 of 4 micro-batches), plain optimizer and distributed optimizer
+    with --overlap-grad-reduce and --overlap-param-gather; no clipping (fp32: the two must agree
+    bit for bit)."""
+    flags = ["--pipeline-schedule", "paci", "--paci-accumulation-factor", "2",
+             "--micro-batch-size", "1", "--clip-grad", "0"]
+    overlaps = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+    return {name: _ok(flags + extra, tmp_path_factory.mktemp(name), nproc=4, timeout=600)
+            for name, extra in (("plain", []), ("overlapped", overlaps))}
+
+
+@pytest.mark.dist
+@needs_megatron_lm
+def test_dp2_distributed_optimizer_with_overlaps_equals_plain(dp2_runs):
+    plain, overlapped = iterations(dp2_runs["plain"]), iterations(dp2_runs["overlapped"])
+    assert [r["iteration"] for r in plain] == ["1", "2", "3", "4"], dp2_runs["plain"][-3000:]
+    assert [(r["loss"], r["lr"]) for r in overlapped] == [(r["loss"], r["lr"]) for r in plain]
+    assert float(plain[-1]["loss"]) < float(plain[0]["loss"])
+    for out in dp2_runs.values():
+        assert drift(out) == {0: dict(max=1, bound=1, steps=8), 1: dict(max=0, bound=0, steps=8)}
+
+
+# global batch 4 (M=2) for the first 32 samples, then 8 (M=4); Megatron-LM wants sample-based
+# training with a ramp: 8 iterations of 4 samples and 4 of 8
+_AT = MODEL_FLAGS.index("--train-iters")
+RAMP_FLAGS = MODEL_FLAGS[:_AT] + MODEL_FLAGS[_AT + 2:] + [
+    "--train-samples", "64", "--rampup-batch-size", "4", "4", "32", "--eval-iters", "1"]
+
+
+@pytest.fixture(scope="module")
+def ramp_runs(tmp_path_factory):
+    return {schedule: _ok(["--pipeline-schedule", schedule], tmp_path_factory.mktemp(schedule),
+                          model_flags=RAMP_FLAGS, timeout=600)
+            for schedule in ("1f1b", "paci")}
+
+
+@pytest.mark.dist
+@needs_megatron_lm
+def test_rampup_batch_size_drains_where_the_batch_grows(ramp_runs):
+    paci, stock = iterations(ramp_runs["paci"]), iterations(ramp_runs["1f1b"])
+    assert [r["iteration"] for r in paci] == [str(i) for i in range(1, 13)], \
+        ramp_runs["paci"][-3000:]
+    assert ramp_runs["paci"].count("(--rampup-batch-size), accumulation factor 4; drained") == 1
+    # LR by samples: the same after every iteration as stock 1F1B's one step per iteration
+    assert [r["lr"] for r in paci] == [r["lr"] for r in stock]
+    assert paci[0]["loss"] == stock[0]["loss"]  # a = M: iteration 1 runs on the initial weights
+    # one local step per iteration (a follows M), drift within the bound
+    assert drift(ramp_runs["paci"]) == {0: dict(max=1, bound=1, steps=12),
+                                        1: dict(max=0, bound=0, steps=12)}

@@ -283,6 +283,7 @@ def build_gpt_model(
     ddp: bool = True,
     overlap_grad_reduce: bool = False,
     use_distributed_optimizer: bool = False,
+    overlap_param_gather: bool = False,
     seed: int = 1234,
     layout_invariant_init: bool = True,
 ) -> List[torch.nn.Module]:
@@ -336,6 +337,7 @@ def build_gpt_model(
             grad_reduce_in_fp32=spec.bf16,
             overlap_grad_reduce=overlap_grad_reduce,
             use_distributed_optimizer=use_distributed_optimizer,
+            overlap_param_gather=overlap_param_gather,
         )
         chunks = [
             DistributedDataParallel(
@@ -492,6 +494,27 @@ def build_lr_scheduler(
         override_opt_param_scheduler=override,
         use_checkpoint_opt_param_scheduler=use_checkpoint,
     )
+
+
+class BatchRamp:
+    """--rampup-batch-size through Megatron-Core's own calculator (the class, not its
+    process-wide global): the number of micro-batches per iteration after a number of samples."""
+
+    def __init__(self, rampup, global_batch_size: int, micro_batch_size: int,
+                 data_parallel_size: int, rank: int = 0):
+        from megatron.core.num_microbatches_calculator import (
+            RampupBatchsizeNumMicroBatchesCalculator,
+        )
+
+        start, incr, samples = rampup
+        self.calculator = RampupBatchsizeNumMicroBatchesCalculator(
+            global_batch_size, micro_batch_size, data_parallel_size,
+            decrease_batch_size_if_needed=False, rank=rank,
+            start_global_batch_size=start, batch_size_increment=incr, ramup_samples=samples)
+
+    def micro_batches(self, consumed_samples: int) -> int:
+        self.calculator.update(consumed_samples, consistency_check=True)
+        return self.calculator.get()
 
 
 # --------------------------------------------------------------------------------------------

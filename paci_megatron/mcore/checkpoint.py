@@ -73,7 +73,12 @@ def _sharded_state(model, optimizer, is_loading: bool) -> Dict:
     merged = {}
     for part in state.values():
         merged.update(part)
-    state["optimizer"] = optimizer.sharded_state_dict(merged, is_loading=is_loading)
+    # the distributed optimizer's default format (flattened ranges) can no longer be written;
+    # Megatron-LM's default since then is per-data-parallel-group shards
+    metadata = ({"distrib_optim_sharding_type": "dp_reshardable"}
+                if getattr(optimizer.config, "use_distributed_optimizer", False) else None)
+    state["optimizer"] = optimizer.sharded_state_dict(merged, is_loading=is_loading,
+                                                      metadata=metadata)
     state["rng_state"] = _rng_sharded(None if is_loading else _rng_state())
     return state
 
@@ -187,12 +192,22 @@ def weights_sha256(model: List[torch.nn.Module]) -> str:
     return digest.hexdigest()
 
 
+def _give_distributed_optimizer_a_state(optimizer) -> None:
+    """Without Apex/TE the distributed optimizer's state_dict() reads each parameter's Adam
+    'step', which a fresh optimizer does not have yet; Megatron-Core's own placeholder step
+    (zero gradients) creates the state that the load then overwrites in place."""
+    for sub in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        if getattr(sub.config, "use_distributed_optimizer", False) and not sub.optimizer.state:
+            sub._init_optimizer_states_with_dummy_values()
+
+
 def load_checkpoint(root: str, model, optimizer, lr_scheduler) -> Dict:
     """Restores everything in place from the newest complete checkpoint under ``root`` (which
     must hold one); returns {'iteration': ..., 'extra': {...}, 'path': ...}."""
     path = find_checkpoint(root)
     if path is None:
         raise CheckpointError(f"--load {root}: no checkpoint there")
+    _give_distributed_optimizer_a_state(optimizer)
     template = _sharded_state(model, optimizer, is_loading=True)
     try:
         common = dist_checkpointing.load_common_state_dict(path)
@@ -202,7 +217,8 @@ def load_checkpoint(root: str, model, optimizer, lr_scheduler) -> Dict:
                               f"{exc}") from exc
     for key, chunk in zip(_model_keys(model), model):
         _unwrap_ddp(chunk).load_state_dict(loaded[key])
-    optimizer.load_state_dict(loaded["optimizer"])
+    with torch.no_grad():  # the distributed optimizer copies into views of the parameters
+        optimizer.load_state_dict(loaded["optimizer"])
     lr_scheduler.load_state_dict(common["lr_scheduler"])
     _set_rng_state(loaded["rng_state"])
     return {"iteration": int(common["iteration"]), "extra": dict(common.get("extra", {})),

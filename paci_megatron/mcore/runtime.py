@@ -24,8 +24,9 @@ from megatron.core.utils import get_model_config, get_model_type
 from ..adapt import Adaptive, bound_in_call, staleness
 from ..autograd_versions import ZERO_CENTERED_GAMMA, keep_version_counters
 from ..executor import DriftStats, ReplayIterator, StageExecutor
-from ..schedule import (Action, Op, StreamPlan, check_max_drift, drift_bound, exchanges,
-                        plan_stream)
+from ..schedule import (Action, Op, StreamPlan, check_max_drift, check_per_call, drift_bound,
+                        exchanges, plan_stream)
+from . import param_gather
 from .tied import TiedEmbedding, shared_weight, tied_lag, tied_sha256
 
 STOCK_GET_FORWARD_BACKWARD_FUNC = mcore_schedules.get_forward_backward_func
@@ -375,7 +376,10 @@ class PaciRuntime:
         if on_nonfinite not in ("skip", "abort"):
             raise ValueError(f"--paci-on-nonfinite must be skip or abort, got {on_nonfinite!r}")
         self.on_nonfinite = on_nonfinite
+        self.max_drift = max_drift
         self.skipped_steps = 0
+        self.gathers_params = False  # --overlap-param-gather: see param_gather.py
+        self.accumulation_follows = False  # a = M when M changes (use_microbatches)
         self.optimizer = None
         self.lr_scheduler = None
         self.lr_increment = None
@@ -511,6 +515,8 @@ class PaciRuntime:
                 ok, grad_norm, _zeros = self.optimizer.step()
             if self._change is not None:
                 self._change.after(self._params)
+            if self.gathers_params and not param_gather.pre_hooks_enabled(model):
+                param_gather.complete_param_gather(model)  # no forward pre-hook would
         else:
             self.skip_nonfinite_step(mb)
             ok, grad_norm = False, float("nan")
@@ -572,6 +578,7 @@ class PaciRuntime:
         self._model = model
         self.tied = self._tied_exchange(model)
         self._params = tuple(model.parameters())
+        self.gathers_params = self.kind == "paci" and param_gather.overlaps_param_gather(model)
         self.data = ReplayIterator(data_iterator) if self.data is None else self.data
         if self.data.base is not data_iterator:
             self.data.base = data_iterator
@@ -728,7 +735,33 @@ class PaciRuntime:
             self.tied = None
         self.state = StageState()
         self.plan = None
+        if self.gathers_params:  # a checkpoint or the final weights read every shard
+            param_gather.complete_param_gather(self._model)
         return len(dropped)
+
+    def use_microbatches(self, num_microbatches: int) -> Optional[int]:
+        """--rampup-batch-size: the next call has ``num_microbatches``; with
+        ``accumulation_follows`` (no explicit --paci-accumulation-factor) a local step closes
+        each call, i.e. a becomes that number too. Every stage knows the iteration where the
+        number changes, so each drains there without communicating (the next call starts a
+        new stream, as after a flush). The LR increment per local step follows a (it stays
+        ``a x micro-batch x data-parallel`` samples); the drift bound reported and enforced is
+        the largest of the accumulation factors' bounds. Returns the forwards dropped, or None
+        where nothing changed."""
+        accumulation = num_microbatches if self.accumulation_follows else self.accumulation
+        if accumulation == self.accumulation and not (
+                self.primed and self.plan.per_call != num_microbatches):
+            return None
+        check_per_call(num_microbatches, accumulation)
+        dropped = self.drain()
+        if accumulation != self.accumulation:
+            if self.lr_increment is not None:
+                self.lr_increment = self.lr_increment // self.accumulation * accumulation
+            self.accumulation = accumulation
+            if self.kind == "paci" and self.max_drift is None:
+                self.drift.bound = max(self.drift.bound,
+                                       drift_bound(self.num_stages, self.stage, accumulation))
+        return dropped
 
     # reporting ---------------------------------------------------------------------------------
     def tied_digest(self) -> Optional[str]:
