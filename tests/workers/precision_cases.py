@@ -43,8 +43,12 @@ def masked(data):
     for i, item in enumerate(data):
         mask = item["loss_mask"].clone()
         for row in range(mask.shape[0]):
-            mask[row, 1 + (i * 2654435761 + row * 40503) % 97 % 16:] = 0.0
+            mask[row, kept_tokens(i, row):] = 0.0
         yield {**item, "loss_mask": mask}
+
+
+def kept_tokens(i: int, row: int) -> int:
+    return 1 + (i * 2654435761 + row * 40503) % 97 % 16
 
 
 def losses_hex(store):
@@ -124,8 +128,10 @@ def case_paci_trains(out_dir, name, iters=8, a=2, n=4, **kw):
         losses, scales = train_runtime(ctx, rt, iters, n)
     finally:
         GradMeta.divide_by_tokens = divide
+    expected = [sum(kept_tokens(i, row) for i in range(k * a, k * a + a) for row in range(MBS))
+                for k in range(iters * n // a)]
     finish(name, out_dir, summary(ctx, rt, losses, scales, step_tokens=tokens, a=a, n=n,
-                                  meta=rt.meta is not None))
+                                  expected_tokens=expected if kw.get("per_token") else None))
 
 
 def _inf_into_gradient(rt, stage, mb):
