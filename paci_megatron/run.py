@@ -36,6 +36,7 @@ import sys
 import types
 from typing import List, Optional, Sequence
 
+from .arguments import check_loss_scales
 from .autograd_versions import ZERO_CENTERED_GAMMA
 from .quiet import fallback_notice
 from .restart import restart_count
@@ -76,11 +77,8 @@ def validate_flags(args: argparse.Namespace) -> None:
         raise ValueError("--pipeline-schedule paci does not support virtual pipeline stages; "
                          "drop --num-layers-per-virtual-pipeline-stage / "
                          "--num-virtual-stages-per-pipeline-rank")
-    if getattr(args, "fp16", False):
-        raise ValueError("--pipeline-schedule paci does not support --fp16 (dynamic loss "
-                         "scaling) yet: the loss is scaled once, at the last stage, but each "
-                         "stage unscales with its own scaler and decides overflow alone, so "
-                         "gradients would come out mis-scaled; use --bf16 (or fp32)")
+    if getattr(args, "fp16", False):  # each stage's own scaler; gradients carry the scale
+        check_loss_scales(args)
     if pp > 1 and not args.untie_embeddings_and_output_weights:
         raise ValueError("--pipeline-schedule paci with tied embeddings would all-reduce the "
                          "embedding gradient between the first and last stage at every local "
@@ -99,9 +97,6 @@ def validate_flags(args: argparse.Namespace) -> None:
     if getattr(args, "apply_layernorm_1p", False):
         raise ValueError(ZERO_CENTERED_GAMMA)
     refuse_stage_crossing_collectives(args)
-    if getattr(args, "calculate_per_token_loss", False):
-        raise ValueError("--pipeline-schedule paci does not support --calculate-per-token-loss "
-                         "(its token count is broadcast across all stages at every step)")
 
 
 def refuse_stage_crossing_collectives(args: argparse.Namespace) -> None:

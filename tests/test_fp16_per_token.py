@@ -127,3 +127,38 @@ def test_no_metadata_without_fp16_or_per_token_loss():
     per_token = types.SimpleNamespace(fp16=False, calculate_per_token_loss=True)
     meta = grad_meta_for(per_token, types.SimpleNamespace(grad_scaler=None))
     assert meta.per_token and not meta.fp16
+
+
+def test_entry_point_takes_the_fp16_and_per_token_flags():
+    torch = pytest.importorskip("torch")
+    from paci_megatron import training
+    from paci_megatron.arguments import parse_and_validate
+
+    args, _ = parse_and_validate(
+        ["--untie-embeddings-and-output-weights", "--fp16", "--initial-loss-scale", "4096",
+         "--min-loss-scale", "2", "--loss-scale-window", "7", "--hysteresis", "1",
+         "--calculate-per-token-loss"], world_size=2)
+    assert (args.initial_loss_scale, args.min_loss_scale, args.loss_scale_window,
+            args.hysteresis, args.loss_scale) == (4096.0, 2.0, 7, 1, None)
+    spec = training._gpt_spec(args)
+    assert spec.fp16 and spec.calculate_per_token_loss and not spec.bf16
+    # per-token logging: [loss sum, tokens] per micro-batch, averaged over all tokens
+    logged = [{"lm loss": torch.tensor([6.0, 2.0])}, {"lm loss": torch.tensor([3.0, 4.0])}]
+    assert training._mean_loss(logged) == 1.5
+    assert training._mean_loss([{"lm loss": torch.tensor(2.0)}, {"lm loss": 4.0}]) == 3.0
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_pretrain_gpt_paci_fp16_with_per_token_loss(tmp_path):
+    """The entry point end to end, fp16 and per-token loss together, P=2."""
+    _, out, _ = run_torchrun(
+        "pretrain_gpt_paci.py",
+        ["--pipeline-schedule", "paci", "--untie-embeddings-and-output-weights", "--fp16",
+         "--initial-loss-scale", "65536", "--loss-scale-window", "5", "--hysteresis", "1",
+         "--calculate-per-token-loss", "--train-iters", "20", "--log-interval", "10"],
+        nproc=2, timeout=400)
+    summary = json.loads(out.split("PACI_SUMMARY ", 1)[1].splitlines()[0])
+    losses = summary["losses"]
+    assert all(0 < x < 10 for x in losses) and sum(losses[-3:]) / 3 < losses[0] - 0.5
+    assert [row["max"] for row in summary["drift"]] == [1, 0]

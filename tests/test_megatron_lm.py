@@ -81,13 +81,20 @@ def _megatron_args(**overrides):
     (dict(overlap_param_gather=True), "--overlap-param-gather"),
     (dict(rerun_mode="report_determinism_stats"), "--rerun-mode"),
     (dict(apply_layernorm_1p=True), "--apply-layernorm-1p"),
-    (dict(fp16=True), "--fp16"),
+    (dict(fp16=True, initial_loss_scale=1000.0, min_loss_scale=1.0, loss_scale=None),
+     "--initial-loss-scale 1000: --pipeline-schedule paci with --fp16 needs a power of two"),
     (dict(pipeline_schedule="1f1b", paci_accumulation_factor=4), "only applies to"),
     (dict(pipeline_schedule="interleaved"), "--num-layers-per-virtual-pipeline-stage"),
 ])
 def test_bad_flag_combinations_are_refused(overrides, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         paci_run.validate_flags(_megatron_args(**overrides))
+
+
+def test_fp16_and_per_token_loss_are_accepted_under_paci():
+    paci_run.validate_flags(_megatron_args(fp16=True, initial_loss_scale=2.0 ** 32,
+                                           min_loss_scale=1.0, loss_scale=None))
+    paci_run.validate_flags(_megatron_args(calculate_per_token_loss=True))
 
 
 def test_stock_schedules_are_not_checked():
