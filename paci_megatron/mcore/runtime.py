@@ -391,6 +391,7 @@ class PaciRuntime:
         self.pg = pipeline_groups()
         self.p2p: Optional[P2PCommunicator] = None
         self.meta: Optional[GradMeta] = None  # --fp16 / --calculate-per-token-loss
+        self._loss_scale: Optional[float] = None  # read once per step (a device sync on GPU)
 
     # wiring ----------------------------------------------------------------------------------
     def bind(self, optimizer, lr_scheduler=None, lr_increment: Optional[int] = None) -> None:
@@ -497,12 +498,15 @@ class PaciRuntime:
         model.zero_grad_buffer()
         self.optimizer.zero_grad()
         self.fresh_weights = True
+        self._loss_scale = None  # the scaler may have grown or backed off
         self.steps.append(StepRecord(mb, bool(ok), None if grad_norm is None else float(grad_norm), lr))
 
     def loss_scale(self) -> float:
-        """This stage's current loss scale (1 without a scaler)."""
-        scale = self.optimizer.get_loss_scale() if self.optimizer is not None else None
-        return 1.0 if scale is None else float(scale)
+        """This stage's current loss scale (1 without a scaler); it changes only at a step."""
+        if self._loss_scale is None:
+            scale = self.optimizer.get_loss_scale() if self.optimizer is not None else None
+            self._loss_scale = 1.0 if scale is None else float(scale)
+        return self._loss_scale
 
     def _keep_versions_if_in_flight(self):
         """Only graphs of in-flight forwards hold the weights; with none (P=1, the last
@@ -533,6 +537,7 @@ class PaciRuntime:
         self.plan = self._next_plan(num_microbatches)
         self._use_stage_grad_stats(self.plan.kind == "paci")
         self.meta = grad_meta_for(config, self.optimizer)
+        self._loss_scale = None  # a --load may have brought another scale
         self.call_index = 0
         self._model = model
         self._params = tuple(model.parameters())
