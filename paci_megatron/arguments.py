@@ -150,7 +150,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --use-distributed-optimizer and --overlap-grad-reduce: gather the "
                         "updated parameters during the next forward pass")
     g.add_argument("--bf16", action="store_true")
-    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--fp16", action="store_true",
+                   help="fp16 weights with dynamic loss scaling; under PACI every stage has its "
+                        "own scaler and skips its own overflowing steps")
+    g.add_argument("--loss-scale", type=_bounded_float("--loss-scale", low_open=True),
+                   default=None, help="--fp16: a static loss scale (default: dynamic)")
+    g.add_argument("--initial-loss-scale", type=_bounded_float("--initial-loss-scale",
+                   low_open=True), default=2.0 ** 32, help="--fp16: the dynamic scale's start")
+    g.add_argument("--min-loss-scale", type=_bounded_float("--min-loss-scale", low_open=True),
+                   default=1.0, help="--fp16: the dynamic scale's floor")
+    g.add_argument("--loss-scale-window", type=_positive("--loss-scale-window"), default=1000,
+                   help="--fp16: steps without overflow before the scale doubles")
+    g.add_argument("--hysteresis", type=_positive("--hysteresis"), default=2,
+                   help="--fp16: overflowing steps in a row before the scale halves")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="average the loss over the tokens of a batch (a local step's group "
+                        "under PACI), not over micro-batches")
     g.add_argument("--seed", type=_bounded_int("--seed", 0), default=1234)
     g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
                    help="transformer_engine only where Transformer Engine is importable")
@@ -302,9 +317,7 @@ def validate(args: argparse.Namespace, world_size: int) -> ScheduleOptions:
     _validate_data_parallel_flags(args)
     if args.fp16 and args.bf16:
         raise ConfigError("--fp16 and --bf16 are exclusive; pick one")
-    if args.fp16:
-        raise ConfigError("--fp16 is not supported by this entry point (dynamic loss scaling "
-                          "is untested here); use --bf16 or fp32")
+    check_loss_scales(args)
     _validate_data_and_outputs(args)
     if args.lr_warmup_iters < 0:
         raise ConfigError(f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
@@ -430,11 +443,37 @@ def _validate_data_parallel_flags(args) -> None:
     tied = (args.pipeline_schedule == "paci" and not args.untie_embeddings_and_output_weights
             and (args.pipeline_model_parallel_size or 1) > 1)
     for flag, on in (("--use-distributed-optimizer", args.use_distributed_optimizer),
-                     ("--overlap-grad-reduce", args.overlap_grad_reduce)):
+                     ("--overlap-grad-reduce", args.overlap_grad_reduce),
+                     ("--fp16", args.fp16)):
         if tied and on:
             # the output layer's gradient is sent to stage 0 before any data-parallel reduction
             raise ConfigError(f"--pipeline-schedule paci with tied embeddings does not support "
                               f"{flag} yet; drop it or add --untie-embeddings-and-output-weights")
+
+
+def _is_power_of_two(x: float) -> bool:
+    return x > 0 and math.frexp(x)[0] == 0.5
+
+
+def check_loss_scales(args) -> None:
+    """fp16 under PACI: each stage rescales a received gradient by (own scale / sender's
+    scale), exact only for powers of two (the dynamic scaler doubles and halves them)."""
+    flags = (("--initial-loss-scale", getattr(args, "initial_loss_scale", None)),
+             ("--min-loss-scale", getattr(args, "min_loss_scale", None)),
+             ("--loss-scale", getattr(args, "loss_scale", None)))
+    if not getattr(args, "fp16", False):
+        return
+    if (args.min_loss_scale or 0) > (args.initial_loss_scale or 0) and args.loss_scale is None:
+        raise ConfigError(f"--min-loss-scale {args.min_loss_scale:g} is above "
+                          f"--initial-loss-scale {args.initial_loss_scale:g}")
+    if getattr(args, "pipeline_schedule", None) != "paci":
+        return
+    for flag, value in flags:
+        if value is not None and not _is_power_of_two(value):
+            nearest = 2.0 ** round(math.log2(value))
+            raise ConfigError(f"{flag} {value:g}: --pipeline-schedule paci with --fp16 needs a "
+                              f"power of two (each stage rescales received gradients by the "
+                              f"ratio of two scales, exact only then); use {nearest:g}")
 
 
 def _validate_data_and_outputs(args) -> None:

@@ -35,6 +35,7 @@ import sys
 import types
 from typing import List, Optional, Sequence
 
+from .arguments import check_loss_scales
 from .autograd_versions import ZERO_CENTERED_GAMMA
 from .quiet import fallback_notice
 from .restart import restart_count
@@ -75,11 +76,8 @@ def validate_flags(args: argparse.Namespace) -> None:
         raise ValueError("--pipeline-schedule paci does not support virtual pipeline stages; "
                          "drop --num-layers-per-virtual-pipeline-stage / "
                          "--num-virtual-stages-per-pipeline-rank")
-    if getattr(args, "fp16", False):
-        raise ValueError("--pipeline-schedule paci does not support --fp16 (dynamic loss "
-                         "scaling) yet: the loss is scaled once, at the last stage, but each "
-                         "stage unscales with its own scaler and decides overflow alone, so "
-                         "gradients would come out mis-scaled; use --bf16 (or fp32)")
+    if getattr(args, "fp16", False):  # each stage's own scaler; gradients carry the scale
+        check_loss_scales(args)
     tied = pp > 1 and not args.untie_embeddings_and_output_weights
     if tied and getattr(args, "use_distributed_optimizer", False):
         raise ValueError("--pipeline-schedule paci with tied embeddings does not support "
@@ -90,6 +88,10 @@ def validate_flags(args: argparse.Namespace) -> None:
                          "--overlap-grad-reduce yet (the output-layer gradient is sent before "
                          "the data-parallel reduction); drop it or add "
                          "--untie-embeddings-and-output-weights")
+    if tied and getattr(args, "fp16", False):
+        raise ValueError("--pipeline-schedule paci with tied embeddings does not support --fp16 "
+                         "yet (the output layer's gradient reaches stage 0 at the last stage's "
+                         "loss scale); use --bf16, or add --untie-embeddings-and-output-weights")
     check_rampup(args)
     rerun_mode = getattr(args, "rerun_mode", "disabled")
     if rerun_mode not in ("disabled", "validate_results"):
@@ -98,9 +100,6 @@ def validate_flags(args: argparse.Namespace) -> None:
     if getattr(args, "apply_layernorm_1p", False):
         raise ValueError(ZERO_CENTERED_GAMMA)
     refuse_stage_crossing_collectives(args)
-    if getattr(args, "calculate_per_token_loss", False):
-        raise ValueError("--pipeline-schedule paci does not support --calculate-per-token-loss "
-                         "(its token count is broadcast across all stages at every step)")
 
 
 def check_rampup(args: argparse.Namespace) -> None:

@@ -32,8 +32,15 @@ def _log(msg: str) -> None:
 
 
 def _mean_loss(losses: List[dict]) -> Optional[float]:
-    values = [float(d["lm loss"]) for d in losses if "lm loss" in d]
-    return sum(values) / len(values) if values else None
+    """Mean over micro-batches; with --calculate-per-token-loss each value is [loss sum,
+    tokens] and the mean is over tokens (as Megatron-LM's train_step)."""
+    values = [d["lm loss"] for d in losses if "lm loss" in d]
+    if not values:
+        return None
+    if getattr(values[0], "numel", lambda: 1)() == 2:
+        total = sum(v.double() for v in values)
+        return float(total[0] / total[1].clamp(min=1))
+    return sum(float(v) for v in values) / len(values)
 
 
 @dataclass
@@ -75,7 +82,8 @@ def _gpt_spec(args):
         max_position_embeddings=args.max_position_embeddings,
         untie_embeddings=args.untie_embeddings_and_output_weights,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        bf16=args.bf16, normalization=args.normalization,
+        bf16=args.bf16, fp16=args.fp16, calculate_per_token_loss=args.calculate_per_token_loss,
+        normalization=args.normalization,
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
         transformer_impl=args.transformer_impl)
@@ -170,7 +178,10 @@ def setup(args, opts: ScheduleOptions) -> Job:
     optimizer = build.build_optimizer(
         model, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad,
-        bf16=args.bf16, use_distributed_optimizer=args.use_distributed_optimizer)
+        bf16=args.bf16, use_distributed_optimizer=args.use_distributed_optimizer,
+        fp16=args.fp16, loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis)
     gbs = args.global_batch_size
     lr_scheduler = build.build_lr_scheduler(
         optimizer, lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_iters * gbs,

@@ -342,6 +342,19 @@ def patch_dist_checkpointing():
     return changed
 
 
+def patch_grad_scaler():
+    """optimizer/grad_scaler.py (fp16 loss scaling): the scale, its bounds and factors are
+    tensors on device='cuda'; a loaded scale is moved with ``.cuda(current_device())``."""
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+
+    changed = _redirect_torch("megatron.core.optimizer.grad_scaler")
+    load = DynamicGradScaler.__dict__["load_state_dict"]
+    if not getattr(load, "_paci_cpu_wrapped", False):
+        DynamicGradScaler.load_state_dict = _run_as_cpu(load)  # once per checkpoint load
+        changed = True
+    return changed
+
+
 class _FusedAdamOptim:
     """``torch.optim`` whose Adam and AdamW default to the fused kernel."""
 
@@ -385,6 +398,7 @@ CPU_PATCHES: Dict[str, Callable[[], bool]] = {
     "tied_embeddings": patch_tied_embeddings,
     "optimizer_construction": patch_optimizer_construction,
     "clip_grads": patch_clip_grads,
+    "grad_scaler": patch_grad_scaler,
     "dist_checkpointing": patch_dist_checkpointing,
     "fused_cpu_adam": patch_fused_cpu_adam,
 }

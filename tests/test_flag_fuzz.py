@@ -69,7 +69,9 @@ def test_bad_values_are_refused_with_the_flag_named(flag, capsys):
 
 
 @pytest.mark.parametrize("argv,flags,match", [
-    (["--fp16"], ["--fp16"], "not supported"),
+    (["--fp16", "--initial-loss-scale", "1000"], ["--initial-loss-scale"], "power of two"),
+    (["--fp16", "--min-loss-scale", "4096", "--initial-loss-scale", "1024"],
+     ["--min-loss-scale", "--initial-loss-scale"], "above"),
     (["--fp16", "--bf16"], ["--fp16", "--bf16"], "exclusive"),
     (["--pipeline-schedule", "paci", "--num-layers-per-virtual-pipeline-stage", "1",
       "--num-layers", "4"], ["--pipeline-schedule", "--num-layers-per-virtual-pipeline-stage"],

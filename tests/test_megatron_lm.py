@@ -89,7 +89,8 @@ def _megatron_args(**overrides):
      "that --rampup-batch-size goes through [2, 4, 6, 8] (not [2, 6])"),
     (dict(rerun_mode="report_determinism_stats"), "--rerun-mode"),
     (dict(apply_layernorm_1p=True), "--apply-layernorm-1p"),
-    (dict(fp16=True), "--fp16"),
+    (dict(fp16=True, initial_loss_scale=1000.0, min_loss_scale=1.0, loss_scale=None),
+     "--initial-loss-scale 1000: --pipeline-schedule paci with --fp16 needs a power of two"),
     (dict(pipeline_schedule="1f1b", paci_accumulation_factor=4), "only applies to"),
     (dict(pipeline_schedule="interleaved"), "--num-layers-per-virtual-pipeline-stage"),
 ])
@@ -103,6 +104,12 @@ def test_rampup_and_overlapped_param_gather_are_accepted():
     paci_run.validate_flags(_megatron_args(rampup_batch_size=[4, 4, 100],
                                            paci_accumulation_factor=2))
     paci_run.validate_flags(_megatron_args(overlap_param_gather=True))
+
+
+def test_fp16_and_per_token_loss_are_accepted_under_paci():
+    paci_run.validate_flags(_megatron_args(fp16=True, initial_loss_scale=2.0 ** 32,
+                                           min_loss_scale=1.0, loss_scale=None))
+    paci_run.validate_flags(_megatron_args(calculate_per_token_loss=True))
 
 
 def test_stock_schedules_are_not_checked():

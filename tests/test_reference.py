@@ -22,14 +22,15 @@ PP_ONLY = ["p2_a4", "p2_a2", "p2_bf16", "p2_distopt", "p2_drain_eval",
            "p4_a4", "p4_a1", "p4_bf16", "p4_recompute", "p4_eval_nodrain", "p4_drain_eval",
            "p4_auto", "p2_tied", "p2_tied_bf16", "p4_tied"]
 PARALLEL = ["p2_dp2", "p2_dp2_distopt", "p2_tp2", "p2_dp2_tied"]  # 2 emulator processes, 4 runtime ones
-RUNTIME_P2 = [c for c in PP_ONLY if c.startswith("p2")]
+PRECISION = ["p2_fp16", "p2_per_token"]  # a loss scaler per stage; per-token loss
+RUNTIME_P2 = [c for c in PP_ONLY if c.startswith("p2")] + PRECISION
 RUNTIME_P4 = [c for c in PP_ONLY if c.startswith("p4")] + PARALLEL
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
-    launches = [("emulator", 1, PP_ONLY, 300), ("emulator", 2, PARALLEL, 300),
+    launches = [("emulator", 1, PP_ONLY + PRECISION, 300), ("emulator", 2, PARALLEL, 300),
                 ("runtime", 2, RUNTIME_P2, 300), ("runtime", 4, RUNTIME_P4, 480)]
     for mode, nproc, cases, timeout in launches:
         run_torchrun(WORKER, ["--mode", mode, "--out", str(out), *cases], nproc=nproc,
@@ -49,7 +50,7 @@ def _coords(cfg):
             for d in range(cfg["dp"])]
 
 
-@pytest.mark.parametrize("case", PP_ONLY + PARALLEL)
+@pytest.mark.parametrize("case", PP_ONLY + PARALLEL + PRECISION)
 def test_runtime_equals_emulator_bit_for_bit(case, results):
     emulated, real = results(case, "emulator"), results(case, "runtime")
     cfg = next(iter(real.values()))["config"]
@@ -97,6 +98,14 @@ def test_the_cases_exercise_drift_drain_and_distinct_weights(results):
     # m >= 2 has drift 1: 11 of 24 micro-batches. Each drain (after calls 2 and 4) drops the
     # in-flight forward of m = 8 and 16 and runs it again after the step: 9.
     assert results("p2_drain_eval", "runtime")["pp0tp0dp0"]["histogram"] == {"0": 15, "1": 9}
+
+
+def test_fp16_case_has_stages_skipping_on_their_own(results):
+    """p2_fp16 compares something: both stages skip overflowing steps, at different steps
+    (so their scales differ and received gradients are rescaled), and both update."""
+    rows = results("p2_fp16", "runtime")
+    ok = [[s["ok"] for s in rows[f"pp{st}tp0dp0"]["steps"]] for st in (0, 1)]
+    assert ok[0] != ok[1] and all(False in o and True in o for o in ok)
 
 
 @pytest.mark.parametrize("case", ["p4_a4", "p2_dp2", "p2_tp2"])

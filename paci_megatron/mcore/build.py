@@ -206,6 +206,8 @@ class GPTSpec:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     bf16: bool = False
+    fp16: bool = False  # --fp16: half-precision weights, dynamic loss scaling in the optimizer
+    calculate_per_token_loss: bool = False  # loss summed over tokens, grads / tokens at a step
     normalization: str = "LayerNorm"
     recompute_granularity: Optional[str] = None
     recompute_method: Optional[str] = None
@@ -238,7 +240,9 @@ def make_transformer_config(spec: GPTSpec) -> TransformerConfig:
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     _check_layer_split(spec, pp, vpp)
-    dtype = torch.bfloat16 if spec.bf16 else torch.float32
+    if spec.bf16 and spec.fp16:
+        raise ValueError("GPTSpec: bf16 and fp16 are exclusive")
+    dtype = torch.bfloat16 if spec.bf16 else torch.float16 if spec.fp16 else torch.float32
     return TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -258,6 +262,8 @@ def make_transformer_config(spec: GPTSpec) -> TransformerConfig:
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=spec.bf16,
+        fp16=spec.fp16,
+        calculate_per_token_loss=spec.calculate_per_token_loss,
         # gloo runs batched p2p as separate ops and mis-pairs them when prev == next rank
         # (interleaved schedule at PP=2): silently wrong gradients. See CPU_NOTES.md.
         batch_p2p_comm=not _is_gloo(),
@@ -329,7 +335,7 @@ def build_gpt_model(
     if torch.cuda.is_available():
         for model in chunks:
             model.cuda(torch.cuda.current_device())
-    if spec.bf16:
+    if spec.bf16 or spec.fp16:
         chunks = [Float16Module(config, model) for model in chunks]
 
     if ddp:
@@ -435,11 +441,22 @@ def build_optimizer(
     clip_grad: float = 1.0,
     bf16: bool = False,
     use_distributed_optimizer: bool = False,
+    fp16: bool = False,
+    loss_scale: Optional[float] = None,
+    initial_loss_scale: float = 2.0**32,
+    min_loss_scale: float = 1.0,
+    loss_scale_window: int = 1000,
+    hysteresis: int = 2,
 ):
-    """Megatron's Adam via ``get_megatron_optimizer``; also sets ``config.grad_scale_func``."""
-    if get_model_config(model_chunks[0]).bf16 != bf16:
-        raise ValueError(f"build_optimizer(bf16={bf16}) does not match the model "
-                         f"(GPTSpec.bf16={get_model_config(model_chunks[0]).bf16})")
+    """Megatron's Adam via ``get_megatron_optimizer``; also sets ``config.grad_scale_func``.
+    With ``fp16`` the optimizer keeps fp32 main weights and a loss scaler: static with
+    ``loss_scale``, else dynamic (Megatron-LM's --initial-loss-scale, --min-loss-scale,
+    --loss-scale-window, --hysteresis)."""
+    model_config = get_model_config(model_chunks[0])
+    for name, value in (("bf16", bf16), ("fp16", fp16)):
+        if getattr(model_config, name) != value:
+            raise ValueError(f"build_optimizer({name}={value}) does not match the model "
+                             f"(GPTSpec.{name}={getattr(model_config, name)})")
     ddp_config = getattr(model_chunks[0], "ddp_config", None)
     if ddp_config is not None and ddp_config.use_distributed_optimizer != use_distributed_optimizer:
         raise ValueError(
@@ -455,8 +472,14 @@ def build_optimizer(
         adam_beta2=adam_beta2,
         clip_grad=clip_grad,
         bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        fp16=fp16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32,
         use_distributed_optimizer=use_distributed_optimizer,
+        loss_scale=loss_scale,
+        initial_loss_scale=initial_loss_scale,
+        min_loss_scale=min_loss_scale,
+        loss_scale_window=loss_scale_window,
+        hysteresis=hysteresis,
     )
     optimizer = get_megatron_optimizer(opt_config, model_chunks)
     get_model_config(model_chunks[0]).grad_scale_func = optimizer.scale_loss
@@ -564,6 +587,20 @@ def _lm_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, {"lm loss": reported}
 
 
+def _lm_loss_per_token(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """--calculate-per-token-loss, as Megatron-LM's pretrain_gpt.py: the summed token loss
+    and the token count (the schedule divides the gradients by the batch's count); the logged
+    value is ``[loss sum, tokens]``, summed over DP replicas (``training._mean_loss`` divides)."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    reported = torch.cat([loss.detach().clone().view(1), num_tokens.float().view(1)])
+    if parallel_state.get_data_parallel_world_size() > 1:
+        torch.distributed.all_reduce(reported, group=parallel_state.get_data_parallel_group())
+    return loss, num_tokens, {"lm loss": reported}
+
+
 def gpt_forward_step(data_iterator, model):
     """Megatron-style ``forward_step_func``: returns ``(output, partial(loss_fn, loss_mask))``.
 
@@ -581,4 +618,5 @@ def gpt_forward_step(data_iterator, model):
     else:
         tokens = labels = loss_mask = position_ids = attention_mask = None
     output = model(tokens, position_ids, attention_mask, labels=labels)
-    return output, partial(_lm_loss, loss_mask)
+    per_token = get_model_config(model).calculate_per_token_loss
+    return output, partial(_lm_loss_per_token if per_token else _lm_loss, loss_mask)

@@ -80,7 +80,59 @@ def _sharded_state(model, optimizer, is_loading: bool) -> Dict:
     state["optimizer"] = optimizer.sharded_state_dict(merged, is_loading=is_loading,
                                                       metadata=metadata)
     state["rng_state"] = _rng_sharded(None if is_loading else _rng_state())
+    if _grad_scalers(optimizer):
+        state["grad_scaler"] = _scaler_sharded(None if is_loading else _scaler_states(optimizer))
     return state
+
+
+def _grad_scalers(optimizer) -> list:
+    """fp16's loss scalers (one per sub-optimizer), those with a state (dynamic ones)."""
+    subs = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    scalers = [getattr(opt, "grad_scaler", None) for opt in subs]
+    return [sc for sc in scalers if sc is not None and sc.state_dict()]
+
+
+def _scaler_states(optimizer) -> list:
+    """Per sub-optimizer: its scaler and its Adam step count (both in Megatron's common
+    state; under PACI a stage that skipped other steps than global rank 0 has other values)."""
+    subs = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [dict(scale=float(sc.scale), growth=sc._growth_tracker,
+                 hysteresis=sc._hysteresis_tracker, step=_adam_step(opt))
+            for opt, sc in zip(subs, (getattr(o, "grad_scaler", None) for o in subs))
+            if sc is not None and sc.state_dict()]
+
+
+def _adam_step(opt) -> Optional[float]:
+    for state in getattr(getattr(opt, "optimizer", None), "state", {}).values():
+        if "step" in state:
+            return float(state["step"])
+    return None
+
+
+def _scaler_sharded(data) -> ShardedObject:
+    """Megatron keeps the scaler in the optimizer's common state, written by global rank 0
+    only: under PACI every stage has its own scale, so each stage's is stored apart."""
+    dp = parallel_state.get_data_parallel_world_size()
+    replica = parallel_state.get_tensor_model_parallel_rank() * dp \
+        + parallel_state.get_data_parallel_rank()  # the stage's ranks share one scaler
+    return ShardedObject("grad_scaler", data, (parallel_state.get_pipeline_model_parallel_world_size(),),
+                         (parallel_state.get_pipeline_model_parallel_rank(),), replica_id=replica)
+
+
+def _load_scaler_states(optimizer, states: list) -> None:
+    subs = [o for o in (getattr(optimizer, "chained_optimizers", None) or [optimizer])
+            if getattr(o, "grad_scaler", None) is not None and o.grad_scaler.state_dict()]
+    for opt, state in zip(subs, states):
+        opt.grad_scaler.load_state_dict({
+            "scale": torch.tensor([state["scale"]], dtype=torch.float),
+            "growth_tracker": state["growth"], "hysteresis_tracker": state["hysteresis"]})
+        if state["step"] is None:
+            continue
+        for param_state in opt.optimizer.state.values():
+            if "step" in param_state:
+                old = param_state["step"]
+                param_state["step"] = torch.full_like(old, state["step"]) \
+                    if torch.is_tensor(old) else type(old)(state["step"])
 
 
 def _barrier() -> None:
@@ -219,6 +271,8 @@ def load_checkpoint(root: str, model, optimizer, lr_scheduler) -> Dict:
         _unwrap_ddp(chunk).load_state_dict(loaded[key])
     with torch.no_grad():  # the distributed optimizer copies into views of the parameters
         optimizer.load_state_dict(loaded["optimizer"])
+    if "grad_scaler" in loaded:
+        _load_scaler_states(optimizer, loaded["grad_scaler"])  # this stage's own
     lr_scheduler.load_state_dict(common["lr_scheduler"])
     _set_rng_state(loaded["rng_state"])
     return {"iteration": int(common["iteration"]), "extra": dict(common.get("extra", {})),

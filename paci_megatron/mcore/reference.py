@@ -130,6 +130,11 @@ class _Stage:
     output_grads: Dict[int, Any] = field(default_factory=dict)
     input_grads: Dict[int, Any] = field(default_factory=dict)
     steps: List[StepLog] = field(default_factory=list)
+    # fp16 / per-token loss: (loss scale, tokens) of each gradient; tokens counted since a step
+    tokens: Dict[int, int] = field(default_factory=dict)
+    grad_meta: Dict[int, tuple] = field(default_factory=dict)
+    meta_out: Dict[int, tuple] = field(default_factory=dict)
+    group_tokens: int = 0
 
 
 class TiedState:
@@ -210,7 +215,7 @@ class PipelineEmulator:
         reads = stage.index in (0, self.num_stages - 1)
         data = iter([stage.batches[self.consumed + mb]]) if reads else None
         store: list = []
-        output, _ = mcore_schedules.forward_step(
+        output, tokens = mcore_schedules.forward_step(
             self.forward_step_func, data, model, self.accumulation, stage.inputs.get(mb),
             store, get_model_config(model), cp_group_size=1,
             is_first_microbatch=stage.fresh_weights, current_microbatch=mb, is_last_stage=is_last)
@@ -222,6 +227,7 @@ class PipelineEmulator:
             self.tied.histogram[stale] = self.tied.histogram.get(stale, 0) + 1
         if is_last:
             self.losses += store
+            stage.tokens[mb] = int(tokens)
 
     def _send_f(self, stage: _Stage, mb: int) -> None:
         out = stage.outputs[mb]
@@ -240,6 +246,16 @@ class PipelineEmulator:
         stage.drift[drift] = stage.drift.get(drift, 0) + 1
         closes_group = (mb + 1) % self.accumulation == 0
         sync = contextlib.nullcontext() if closes_group else model.no_sync()
+        scale = float(stage.parts.optimizer.get_loss_scale())  # 1 without a loss scaler
+        if stage.index == self.num_stages - 1:
+            tokens = stage.tokens.pop(mb)  # this stage scales its loss by its own scale
+        else:  # the gradient came at the next stage's scale: bring it to this stage's
+            sender_scale, tokens = stage.grad_meta.pop(mb)
+            with torch.no_grad():
+                stage.output_grads[mb].mul_(scale / sender_scale)
+        stage.group_tokens += tokens
+        if stage.index > 0:
+            stage.meta_out[mb] = (scale, tokens)
         with sync:
             grad = mcore_schedules.backward_step(
                 stage.inputs.pop(mb, None), stage.outputs.pop(mb), stage.output_grads.pop(mb, None),
@@ -251,12 +267,14 @@ class PipelineEmulator:
 
     def _send_b(self, stage: _Stage, mb: int) -> None:
         grad = stage.input_grads.pop(mb)
-        self.messages.setdefault((stage.index, "B"), []).append((mb, grad.detach().clone()))
+        self.messages.setdefault((stage.index, "B"), []).append(
+            (mb, grad.detach().clone(), stage.meta_out.pop(mb)))
 
     def _recv_b(self, stage: _Stage, mb: int) -> None:
-        sent_mb, tensor = self.messages[(stage.index + 1, "B")].pop(0)
+        sent_mb, tensor, meta = self.messages[(stage.index + 1, "B")].pop(0)
         assert sent_mb == mb, (sent_mb, mb)
         stage.output_grads[mb] = tensor
+        stage.grad_meta[mb] = meta
 
     def _step(self, stage: _Stage, mb: int) -> None:
         """Data-parallel reduction within the stage, then its optimizer and LR step."""
@@ -266,6 +284,13 @@ class PipelineEmulator:
         if tied is not None and stage.index == 0:  # stock's all-reduce sum, at the owner
             grad_of(tied.owner).add_(tied.grads.pop(0))
         model.finish_grad_sync()
+        if get_model_config(model).calculate_per_token_loss:  # this stage's group's tokens
+            count = torch.tensor(stage.group_tokens, dtype=torch.int)
+            if parallel_state.get_data_parallel_world_size() > 1:
+                torch.distributed.all_reduce(count, group=parallel_state.get_data_parallel_group())
+            if count > 0:
+                model.scale_gradients(1.0 / count)
+        stage.group_tokens = 0
         undo = None
         if tied is not None and stage.index > 0 and tied.last_steps < self.tied_lag:
             undo = tied.last_main.detach().clone()
@@ -330,6 +355,10 @@ class PipelineEmulator:
             stage.outputs.clear()
             stage.output_grads.clear()
             stage.input_grads.clear()
+            stage.tokens.clear()
+            stage.grad_meta.clear()
+            stage.meta_out.clear()
+            stage.group_tokens = 0
         if any(self.messages.values()):
             raise RuntimeError("drain with messages in transit (drain between calls only)")
         if self.tied is not None:

@@ -53,6 +53,11 @@ class StageState:
     input_grads: Dict[int, Any] = field(default_factory=dict)
     # (work, tensor to free or None, Op.SEND_F or Op.SEND_B)
     pending_sends: List[tuple] = field(default_factory=list)
+    # --fp16 / --calculate-per-token-loss: what travels back with each gradient (GradMeta):
+    # received from the next stage, and to send to the previous one
+    meta_in: Dict[int, Any] = field(default_factory=dict)
+    meta_out: Dict[int, Any] = field(default_factory=dict)
+    tokens: Dict[int, Any] = field(default_factory=dict)  # last stage: each forward's count
 
     def in_flight(self) -> int:
         return len(self.outputs)
@@ -87,7 +92,7 @@ class MegatronHandlers:
         self.data.current = mb
         if self.rt.tied is not None and self.rt.is_last:
             self.rt.tied.on_forward(mb)
-        output, _num_tokens = mcore_schedules.forward_step(
+        output, num_tokens = mcore_schedules.forward_step(
             self.forward_step_func, self.data, self.model, self.rt.plan.accumulation,
             state.inputs.get(mb), self.store, self.config,
             cp_group_size=self.rt.pg.cp.size(),
@@ -96,11 +101,15 @@ class MegatronHandlers:
         )
         self.rt.fresh_weights = False
         state.outputs[mb] = output
+        if self.rt.meta is not None and self.rt.is_last:
+            state.tokens[mb] = num_tokens
 
     def backward(self, mb: int) -> None:
         state = self.state
         closes_group = (mb + 1) % self.rt.plan.accumulation == 0
         self.finish_send_of(mb)  # long done: the next stage already sent this one's gradient
+        if self.rt.meta is not None:
+            self.rt.meta.before_backward(self.rt, state, mb)
         with self.rt.grad_sync(enabled=closes_group):
             grad = mcore_schedules.backward_step(
                 state.inputs.pop(mb, None), state.outputs.pop(mb), state.output_grads.pop(mb, None),
@@ -145,6 +154,12 @@ class MegatronHandlers:
             for key in ("recv_prev", "recv_next"):
                 if key in reqs:
                     reqs[key].wait()
+            meta = self.rt.meta
+            if meta is not None and send_prev:  # posted after the gradient on both sides
+                state.pending_sends.append(
+                    meta.send(self.rt, state.meta_out.pop(send_prev.mb)) + (Op.SEND_B,))
+            if meta is not None and Op.RECV_B in batch:
+                state.meta_in[batch[Op.RECV_B].mb] = meta.receive(self.rt)
         except RuntimeError as exc:
             raise PeerFailure(self.rt.describe_peers(batch), exc) from exc
         if Op.RECV_F in batch:
@@ -189,6 +204,75 @@ class MegatronHandlers:
             if tensor is not None:
                 mcore_schedules.deallocate_output_tensor(
                     tensor, self.config.deallocate_pipeline_outputs)
+
+
+# --- what travels back with each gradient (--fp16, --calculate-per-token-loss) --------------
+
+class GradMeta:
+    """Two numbers sent with each activation gradient, from the last stage towards stage 0, as
+    a separate tiny message right after the gradient in the same exchange (both sides post in
+    that order): the loss scale the gradient is expressed in, and the micro-batch's token count.
+
+    fp16: each stage has its own dynamic loss scaler and skips its own overflowing steps, so the
+    scalers drift apart. A gradient leaves a stage scaled by that stage's current scale (the
+    last stage's loss is scaled by its own, as stock does); the receiver rescales it by (own
+    scale / sender's scale), a power of two, so exact, before its backward. A scale changes
+    only at a local step, so all backwards of a group use one scale.
+
+    Per-token loss: the last stage counts each micro-batch's tokens; every stage sums the
+    counts of its group and divides its gradients by the sum (all-reduced over data-parallel
+    ranks, as stock) at its step: stock broadcasts the count over the pipeline group instead."""
+
+    def __init__(self, *, fp16: bool, per_token: bool):
+        self.fp16 = fp16
+        self.per_token = per_token
+        self.device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        self.group_tokens = 0  # this stage's tokens since its last step
+
+    def before_backward(self, rt: "PaciRuntime", state: StageState, mb: int) -> None:
+        own = rt.loss_scale()
+        if rt.is_last:
+            sender, tokens = own, int(state.tokens.pop(mb))
+        else:
+            sender, tokens = state.meta_in.pop(mb)
+            if sender != own:
+                with torch.no_grad():  # Megatron's receive buffers require grad
+                    state.output_grads[mb].mul_(own / sender)
+        self.group_tokens += tokens
+        if not rt.is_first:
+            state.meta_out[mb] = torch.tensor([own, tokens], dtype=torch.float64,
+                                              device=self.device)
+
+    def send(self, rt: "PaciRuntime", meta: torch.Tensor) -> tuple:
+        work = torch.distributed.isend(meta, dst=rt.p2p.prev_rank, group=rt.pg.pp)
+        return work, meta  # the tensor stays referenced until the send is waited for
+
+    def receive(self, rt: "PaciRuntime") -> tuple:
+        buf = torch.empty(2, dtype=torch.float64, device=self.device)
+        torch.distributed.irecv(buf, src=rt.p2p.next_rank, group=rt.pg.pp).wait()
+        scale, tokens = buf.tolist()
+        return scale, int(tokens)
+
+    def divide_by_tokens(self, model, dp_cp_group) -> None:
+        """What stock finalize_model_grads does with num_tokens, minus the pipeline broadcast."""
+        count = torch.tensor(self.group_tokens, dtype=torch.int, device=self.device)
+        self.group_tokens = 0
+        if dp_cp_group is not None and dp_cp_group.size() > 1:
+            torch.distributed.all_reduce(count, group=dp_cp_group)
+        if count > 0:
+            model.scale_gradients(1.0 / count)
+
+
+def grad_meta_for(config, optimizer) -> Optional[GradMeta]:
+    """A GradMeta when fp16 or per-token loss is on; None otherwise (no extra message)."""
+    fp16 = _has_grad_scaler(optimizer)  # fp16 always has one (bf16 only with --loss-scale)
+    per_token = bool(getattr(config, "calculate_per_token_loss", False))
+    return GradMeta(fp16=fp16, per_token=per_token) if fp16 or per_token else None
+
+
+def _has_grad_scaler(optimizer) -> bool:
+    return any(getattr(opt, "grad_scaler", None) is not None
+               for opt in _sub_optimizers(optimizer))
 
 
 # --- the runtime: one stream per training run -----------------------------------------------
@@ -418,6 +502,8 @@ class PaciRuntime:
         self.tied: Optional[TiedEmbedding] = None  # the tied-weight exchange of this stream
         self.tied_histogram: Counter = Counter()  # last stage: staleness -> micro-batches
         self._stage_pg: Optional[ProcessGroupCollection] = None
+        self.meta: Optional[GradMeta] = None  # --fp16 / --calculate-per-token-loss
+        self._loss_scale: Optional[float] = None  # read once per step (a device sync on GPU)
 
     # wiring ----------------------------------------------------------------------------------
     def bind(self, optimizer, lr_scheduler=None, lr_increment: Optional[int] = None) -> None:
@@ -505,14 +591,21 @@ class PaciRuntime:
             tied.add_output_grad()
         pg = self._stage_pg if tied is not None else self.pg
         config.finalize_model_grads_func([model], None, pg_collection=pg)
+        if self.meta is not None and self.meta.per_token:
+            self.meta.divide_by_tokens(model, self.pg.dp_cp)
         if tied is not None and not tied.is_owner:
             tied.before_last_step()
         factor = self.lr_factor_now()
-        if grads_are_finite(model, stage_grad_stats_group(self.optimizer)):
+        # fp16: the loss scaler checks for overflow (over the stage's grad-stats group), skips
+        # and backs off, as stock; an overflow is routine there, not an error
+        scaler = self.meta is not None and self.meta.fp16
+        if scaler or grads_are_finite(model, stage_grad_stats_group(self.optimizer)):
             if self._change is not None:
                 self._change.before(self._params)
             with self._keep_versions_if_in_flight(), scaled_lr(self.optimizer, factor):
                 ok, grad_norm, _zeros = self.optimizer.step()
+            if scaler and not ok:
+                self.skipped_steps += 1
             if self._change is not None:
                 self._change.after(self._params)
             if self.gathers_params and not param_gather.pre_hooks_enabled(model):
@@ -532,6 +625,7 @@ class PaciRuntime:
         model.zero_grad_buffer()
         self.optimizer.zero_grad()
         self.fresh_weights = True
+        self._loss_scale = None  # the scaler may have grown or backed off
         self.steps.append(StepRecord(mb, bool(ok), None if grad_norm is None else float(grad_norm), lr,
                                      factor))
 
@@ -542,6 +636,13 @@ class PaciRuntime:
             return 1.0
         return drift_lr_factor(self.drift_lr_damping, self.drift_lr_anneal_iters,
                                self.calls_done, self.drift.group_mean_drift)
+
+    def loss_scale(self) -> float:
+        """This stage's current loss scale (1 without a scaler); it changes only at a step."""
+        if self._loss_scale is None:
+            scale = self.optimizer.get_loss_scale() if self.optimizer is not None else None
+            self._loss_scale = 1.0 if scale is None else float(scale)
+        return self._loss_scale
 
     def _keep_versions_if_in_flight(self):
         """Only graphs of in-flight forwards hold the weights; with none (P=1, the last
@@ -565,15 +666,14 @@ class PaciRuntime:
         config = get_model_config(model)
         if config.finalize_model_grads_func is None:
             config.finalize_model_grads_func = finalize_model_grads
-        if config.calculate_per_token_loss and self.kind == "paci":
-            raise ValueError("PACI does not support calculate_per_token_loss (its token count "
-                             "is broadcast across all pipeline stages at every step)")
         if self.kind == "paci":
             check_no_cross_stage_grad_reduction(model, self.pg)
             if getattr(config, "layernorm_zero_centered_gamma", False):
                 raise ValueError(ZERO_CENTERED_GAMMA)
         self.plan = self._next_plan(num_microbatches)
         self._use_stage_grad_stats(self.plan.kind == "paci")
+        self.meta = grad_meta_for(config, self.optimizer)
+        self._loss_scale = None  # a --load may have brought another scale
         self.call_index = 0
         self._model = model
         self.tied = self._tied_exchange(model)
@@ -600,6 +700,10 @@ class PaciRuntime:
         if self.adaptive is not None:
             raise ValueError("--paci-accumulation-factor auto does not support tied embeddings "
                              "yet; add --untie-embeddings-and-output-weights")
+        if self.meta is not None and self.meta.fp16:
+            raise ValueError("PACI with tied embeddings does not support fp16 loss scaling yet "
+                             "(the output layer's gradient reaches stage 0 at the last stage's "
+                             "scale); use bf16, or add --untie-embeddings-and-output-weights")
         if self._stage_pg is None:
             solo = torch.distributed.new_group([torch.distributed.get_rank()],
                                                use_local_synchronization=True)
@@ -737,6 +841,8 @@ class PaciRuntime:
         self.plan = None
         if self.gathers_params:  # a checkpoint or the final weights read every shard
             param_gather.complete_param_gather(self._model)
+        if self.meta is not None:
+            self.meta.group_tokens = 0  # a drain stops at a group boundary: nothing counted
         return len(dropped)
 
     def use_microbatches(self, num_microbatches: int) -> Optional[int]:

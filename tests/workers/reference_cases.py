@@ -34,7 +34,8 @@ SEED = 1234
 # clip 0.3 keeps gradient clipping active on most steps, so the clipping norm matters.
 BASE = dict(tp=1, dp=1, a=4, n=4, calls=5, dropout=0.0, bf16=False, recompute=False,
             dist_opt=False, clip=0.3, layers=4, drain_after=None, eval_after=None,
-            audit=False, factors=None, tied=False)
+            audit=False, factors=None, tied=False,
+            fp16=False, per_token=False)
 CASES: Dict[str, Dict] = {
     "p2_a4": dict(pp=2, dropout=0.1),
     "p2_a2": dict(pp=2, a=2, n=8, calls=4),
@@ -60,6 +61,10 @@ CASES: Dict[str, Dict] = {
     # the output-layer gradient is sent before the data-parallel reduction and reduced at
     # stage 0 with its own
     "p2_dp2_tied": dict(pp=2, dp=2, a=2, tied=True, dropout=0.1),
+    # stage 0's scaler starts at half of stage 1's and both overflow on their own schedule:
+    # gradients are rescaled between scales throughout
+    "p2_fp16": dict(pp=2, a=2, calls=6, fp16=True),
+    "p2_per_token": dict(pp=2, a=2, calls=4, per_token=True, dropout=0.1),
 }
 
 
@@ -72,6 +77,7 @@ def spec_of(cfg: Dict) -> build.GPTSpec:
         num_layers=cfg["layers"], hidden_size=32, num_attention_heads=4, seq_length=16,
         vocab_size=128, untie_embeddings=not cfg["tied"], hidden_dropout=cfg["dropout"],
         attention_dropout=cfg["dropout"], bf16=cfg["bf16"],
+        fp16=cfg["fp16"], calculate_per_token_loss=cfg["per_token"],
         recompute_granularity="full" if cfg["recompute"] else None,
         recompute_method="uniform" if cfg["recompute"] else None,
         recompute_num_layers=1 if cfg["recompute"] else None)
@@ -81,14 +87,32 @@ def build_parts(cfg: Dict) -> StageParts:
     """One stage as both modes build it (after Megatron-LM's seeding of this pipeline rank)."""
     spec = spec_of(cfg)
     model = build.build_gpt_model(spec, seed=SEED, use_distributed_optimizer=cfg["dist_opt"])
+    info = build.stage_info()
+    scales = dict(fp16=True, initial_loss_scale=2.0 ** (19 if info["is_first"] else 20),
+                  loss_scale_window=2, hysteresis=1) if cfg["fp16"] else {}
     opt = build.build_optimizer(model, lr=2e-3, clip_grad=cfg["clip"], bf16=cfg["bf16"],
-                                use_distributed_optimizer=cfg["dist_opt"])
+                                use_distributed_optimizer=cfg["dist_opt"], **scales)
     sched = build.build_lr_scheduler(opt, lr=2e-3, min_lr=2e-4, warmup_steps=8,
                                      decay_steps=400, decay_style="cosine")
-    info = build.stage_info()
     reads = info["is_first"] or info["is_last"]
     data = build.mock_data_iterator(spec, MBS, SEED) if reads else None
+    if data is not None and cfg["per_token"]:
+        data = _masked(data)
     return StageParts(model[0], opt, sched, data)
+
+
+def _masked(data):
+    """Per-token cases: each row keeps 1..16 of its 16 tokens, differently per micro-batch."""
+    for i, item in enumerate(data):
+        mask = item["loss_mask"].clone()
+        for row in range(mask.shape[0]):
+            mask[row, 1 + (i * 2654435761 + row * 40503) % 97 % 16:] = 0.0
+        yield {**item, "loss_mask": mask}
+
+
+def _loss_hex(store) -> List[str]:
+    """Every logged value as float hex (per-token: loss sum and tokens per micro-batch)."""
+    return [_hex(x) for d in store for x in torch.as_tensor(d["lm loss"]).view(-1).tolist()]
 
 
 def evaluate(fb, model, spec, data, n) -> None:
@@ -125,7 +149,7 @@ def run_runtime(case: str, out_dir: str) -> None:
         store = rt.forward_backward(
             forward_step_func=build.gpt_forward_step, data_iterator=parts.data, model=[parts.model],
             num_microbatches=cfg["n"], seq_length=16, micro_batch_size=MBS, forward_only=False)
-        losses += [_hex(float(d["lm loss"])) for d in store]
+        losses += _loss_hex(store)
         if cfg["drain_after"] and call + 1 in cfg["drain_after"]:
             rt.drain()
         if cfg["eval_after"] and call + 1 in cfg["eval_after"]:
@@ -150,7 +174,7 @@ def run_emulator(case: str, out_dir: str) -> None:
     for call in range(cfg["calls"]):
         if cfg["factors"]:
             emu.set_accumulation(cfg["factors"][call])
-        losses += [_hex(float(d["lm loss"])) for d in emu.train_call(cfg["n"])]
+        losses += _loss_hex(emu.train_call(cfg["n"]))
         if cfg["drain_after"] and call + 1 in cfg["drain_after"]:
             emu.drain()
     for s, stage in enumerate(emu.stages):
