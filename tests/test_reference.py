@@ -59,7 +59,8 @@ def test_runtime_equals_emulator_bit_for_bit(case, results):
     for coord, r in real.items():
         e = emulated[coord]
         last = coord.startswith(f"pp{cfg['pp'] - 1}")
-        assert len(r["losses"]) == (cfg["calls"] * cfg["n"] if last else 0)
+        per_mb = 2 if cfg["per_token"] else 1  # per-token: the loss sum and the token count
+        assert len(r["losses"]) == (cfg["calls"] * cfg["n"] * per_mb if last else 0)
         assert r["losses"] == e["losses"]  # every micro-batch loss, as float hex
         assert len(r["steps"]) == steps_per_stage
         assert r["steps"] == e["steps"]  # per step: mb, success, grad norm, LR, weights SHA-256

@@ -864,6 +864,7 @@ class PaciRuntime:
             if self.lr_increment is not None:
                 self.lr_increment = self.lr_increment // self.accumulation * accumulation
             self.accumulation = accumulation
+            self.factor = accumulation  # the a of the next plan (auto is refused with a ramp)
             if self.kind == "paci" and self.max_drift is None:
                 self.drift.bound = max(self.drift.bound,
                                        drift_bound(self.num_stages, self.stage, accumulation))

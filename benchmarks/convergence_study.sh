@@ -1,0 +1,29 @@
+#!/bin/bash
+# Convergence study (issue 10): P=4, tinyshakespeare, 1000 updates (warmup 50, cosine to 0.1x),
+# a = M = 4 and a = M = 8 at the same 16 sequences per update, 1F1B vs plain PACI vs each
+# mitigation, seeds 1234 and 1235. Writes OUT/m4/report.md and OUT/m8/report.md.
+#
+#   bash benchmarks/convergence_study.sh [OUT]      (default OUT=/tmp/study; ~2 h on 2 idle cores)
+#
+# Needs the tokenized corpus (once, ~1 min):
+#   python -m paci_megatron.preprocess_data --input ../shared/data/tinyshakespeare.txt \
+#       --output-prefix /tmp/cmp_shk/shakespeare --tokenizer-model /tmp/cmp_shk/spm.model --vocab-size 2000
+# --reuse keeps runs already finished in OUT with the same flags, so an interrupted study
+# resumes, and a new --run adds only its own runs.
+set -euo pipefail
+OUT=${1:-/tmp/study}
+DATA=${DATA:-/tmp/cmp_shk}
+COMMON=(--data-path "$DATA/shakespeare_text_document" --tokenizer-type SentencePieceTokenizer
+        --tokenizer-model "$DATA/spm.model" --vocab-size 2000 --untie-embeddings-and-output-weights
+        --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64
+        --global-batch-size 16 --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine
+        --lr-warmup-iters 50 --train-iters 1000 --eval-interval 50 --eval-iters 8
+        --log-interval 10 --split 95,5,0)
+for MBS in 4 2; do
+  M=$((16 / MBS))
+  python -m paci_megatron.compare --reuse --schedules 1f1b,paci --seeds 1234,1235 \
+      --nproc-per-node 4 --out "$OUT/m$M" \
+      --run paci-sync50="--pipeline-schedule paci --paci-sync-iters 50" \
+      --run paci-auto="--pipeline-schedule paci --paci-accumulation-factor auto" \
+      -- "${COMMON[@]}" --micro-batch-size "$MBS"
+done
