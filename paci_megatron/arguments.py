@@ -338,7 +338,7 @@ def validate(args: argparse.Namespace, world_size: int) -> ScheduleOptions:
     if args.paci_accumulation_factor is None or adapt_interval:
         args.paci_accumulation_factor = ramp[0] if ramp else num_mb  # auto starts at a = N
     if ramp and args.pipeline_schedule == "paci":
-        _check_accumulation_divides(args.paci_accumulation_factor, ramp,
+        check_accumulation_divides(args.paci_accumulation_factor, ramp,
                                     args.paci_accumulation_follows)
     try:
         entry = SCHEDULES.get(args.pipeline_schedule)
@@ -421,7 +421,7 @@ def rampup_micro_batches(rampup: Optional[Sequence[int]], global_batch_size: int
     return [size // per_step for size in sizes]
 
 
-def _check_accumulation_divides(accumulation: int, ramp: List[int], follows: bool) -> None:
+def check_accumulation_divides(accumulation: int, ramp: List[int], follows: bool) -> None:
     """An explicit accumulation factor stays fixed while M ramps up: it must divide every M."""
     if follows:
         return

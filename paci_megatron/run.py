@@ -106,7 +106,7 @@ def check_rampup(args: argparse.Namespace) -> None:
     """--rampup-batch-size: PACI drains where the number of micro-batches M changes; an
     explicit --paci-accumulation-factor must divide every M of the ramp (the default follows
     M). Data-parallel size as Megatron-LM will derive it (world / (TP x PP x CP))."""
-    from .arguments import rampup_micro_batches
+    from .arguments import check_accumulation_divides, rampup_micro_batches
 
     rampup = getattr(args, "rampup_batch_size", None)
     accumulation = args.paci_accumulation_factor
@@ -121,13 +121,7 @@ def check_rampup(args: argparse.Namespace) -> None:
         counts = [size // per_step for size in range(start, final + 1, incr)]
     else:
         counts = rampup_micro_batches([start, incr, samples], final, per_step)
-    bad = [m for m in counts if m % accumulation]
-    if bad:
-        raise ValueError(
-            f"--paci-accumulation-factor {accumulation} must divide every number of "
-            f"micro-batches per iteration that --rampup-batch-size goes through {counts} (not "
-            f"{bad}); pick a common divisor, or drop --paci-accumulation-factor (a then equals "
-            "the number of micro-batches at every batch size)")
+    check_accumulation_divides(accumulation, counts, follows=False)
 
 
 def refuse_stage_crossing_collectives(args: argparse.Namespace) -> None:
