@@ -6,6 +6,7 @@ They run 2 pipeline stages on CPU/gloo with mock data, for the stock ``1f1b`` sc
 for ``paci``. The unit tests at the top need no checkout.
 """
 
+import math
 import os
 import re
 import subprocess
@@ -292,6 +293,22 @@ def test_paci_accepts_tied_embeddings(tmp_path):
     assert float(rows[-1]["loss"]) < float(rows[0]["loss"])
     assert drift(out) == {0: dict(max=1, bound=1, steps=16), 1: dict(max=0, bound=0, steps=16)}
     assert TIED.search(out).groups() == ("2", "2", "identical"), out[-3000:]
+
+
+@pytest.mark.dist
+@needs_megatron_lm
+def test_fp16_with_per_token_loss_trains_through_the_drop_in(tmp_path):
+    """Megatron-LM's own fp16 optimizer and per-token loss under PACI at P=2: each stage's
+    scaler and skip decision, the scale and the token count carried with each gradient."""
+    rc, out, err = run_pretrain_gpt(["--pipeline-schedule", "paci", "--fp16",
+                                     "--initial-loss-scale", "256", "--loss-scale-window", "2",
+                                     "--calculate-per-token-loss"], tmp_path)
+    assert rc == 0, f"exit code {rc}\n{out[-6000:]}\n--- stderr ---\n{err[-6000:]}"
+    rows = iterations(out)
+    assert [r["iteration"] for r in rows] == ["1", "2", "3", "4"], out[-3000:]
+    losses = [float(r["loss"]) for r in rows]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+    assert drift(out) == {0: dict(max=1, bound=1, steps=4), 1: dict(max=0, bound=0, steps=4)}
 
 
 @pytest.mark.dist
