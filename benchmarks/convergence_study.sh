@@ -25,5 +25,6 @@ for MBS in 4 2; do
       --nproc-per-node 4 --out "$OUT/m$M" \
       --run paci-sync50="--pipeline-schedule paci --paci-sync-iters 50" \
       --run paci-auto="--pipeline-schedule paci --paci-accumulation-factor auto" \
+      --run paci-sync50-auto="--pipeline-schedule paci --paci-sync-iters 50 --paci-accumulation-factor auto" \
       -- "${COMMON[@]}" --micro-batch-size "$MBS"
 done
