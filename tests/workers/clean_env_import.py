@@ -6,9 +6,10 @@ install of ``paci-megatron[megatron-lm]``, without installing anything.
 The distributions such an install brings (this repository's ``install_requires`` and the
 ``megatron-lm`` extra, their requirements recursively from the installed metadata, and the
 pip/setuptools of a new virtual environment) are linked into a temporary folder; the import
-then runs in ``python -S`` (no site-packages, no .pth files) with only that folder and this
-repository on the path. ``--without NAME`` leaves NAME out of the extra (to see that it is
-needed). Prints ``IMPORTED`` or ``REFUSED <error>``.
+then runs in ``python -S`` (no site-packages, no .pth files) with only that folder on the
+path, which also holds this repository's package laid out as installed. ``--without NAME``
+leaves NAME out of the extra (to see that it is needed). Prints ``IMPORTED`` or ``REFUSED
+<error>``.
 """
 
 import argparse
@@ -76,8 +77,19 @@ def link_site(dists, folder: str) -> None:
                 os.symlink(source, target)
 
 
+def link_package(folder: str) -> None:
+    """This repository's package laid out as an install lays it out (setup.py maps
+    ``paci_megatron.patches`` to the top-level ``patches/``)."""
+    package = os.path.join(folder, "paci_megatron")
+    os.mkdir(package)
+    source = os.path.join(REPO, "paci_megatron")
+    for name in os.listdir(source):
+        if name not in ("__pycache__", "patches"):
+            os.symlink(os.path.join(source, name), os.path.join(package, name))
+    os.symlink(os.path.join(REPO, "patches"), os.path.join(package, "patches"))
+
+
 def child(script: str) -> None:
-    sys.path.insert(0, REPO)
     try:
         from paci_megatron import run
 
@@ -104,6 +116,7 @@ def main():
     dists = closure(requirements + list(FRESH_VENV))
     with tempfile.TemporaryDirectory(prefix="fresh_site_") as folder:
         link_site(dists, folder)
+        link_package(folder)
         env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
         env.update(PYTHONPATH=folder, PYTHONNOUSERSITE="1", OMP_NUM_THREADS="1")
         proc = subprocess.run([sys.executable, "-S", os.path.abspath(__file__), "--child",
