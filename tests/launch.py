@@ -88,6 +88,19 @@ def parse_results(stdout: str, prefix: str = "RESULT ") -> List[dict]:
     return found
 
 
+def paci_summary(stdout: str) -> dict:
+    """The one ``PACI_SUMMARY`` a training run prints (rank 0, at the end)."""
+    found = parse_results(stdout, prefix="PACI_SUMMARY ")
+    assert len(found) == 1, stdout[-3000:]
+    return found[0]
+
+
+def read_metrics(path) -> List[dict]:
+    """The records of a ``--metrics-file`` (one JSON object per line)."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def results_by_case(stdout: str) -> Dict[str, dict]:
     """``parse_results`` keyed by each result's ``case``."""
     return {r["case"]: r for r in parse_results(stdout)}

@@ -4,12 +4,11 @@ every call equals the simulator's for the same factors and stays within the boun
 the LR stays a function of samples, a is logged per iteration, and the only collectives that
 cross stages in the steady state are the decisions' all-reduces."""
 
-import json
 import math
 
 import pytest
 
-from launch import parse_results, run_torchrun
+from launch import paci_summary, parse_results, read_metrics, run_torchrun
 from paci_megatron import adapt
 from paci_megatron.schedule import drift_bound
 
@@ -33,10 +32,7 @@ def auto_run(tmp_path_factory):
     metrics = tmp_path_factory.mktemp("auto") / "metrics.jsonl"
     _, out, _ = run_torchrun("tests/workers/count_collectives.py",
                              FLAGS + ["--metrics-file", str(metrics)], nproc=P, timeout=600)
-    with open(metrics) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    summary = parse_results(out, prefix="PACI_SUMMARY ")[0]
-    return summary, parse_results(out), records, out
+    return paci_summary(out), parse_results(out), read_metrics(metrics), out
 
 
 @pytest.mark.dist

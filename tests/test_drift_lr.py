@@ -5,11 +5,10 @@ stage 1 (drift 0) is never damped; a run whose factors are all 1 equals plain PA
 (weights of every stage), while damping changes stage 0's weights; and (slow) a run stopped at
 a checkpoint and resumed takes the same factors and ends with the same weights."""
 
-import json
 
 import pytest
 
-from launch import run_torchrun
+from launch import paci_summary, read_metrics, run_torchrun
 from paci_megatron.mcore.runtime import drift_lr_factor
 
 pytestmark = pytest.mark.dist
@@ -27,9 +26,7 @@ def _run(tmp, name, extra):
     metrics = tmp / f"{name}.jsonl"
     _, out, _ = run_torchrun("pretrain_gpt_paci.py", FLAGS + extra + ["--metrics-file",
                              str(metrics)], nproc=2, timeout=400)
-    line = next(l for l in out.splitlines() if l.startswith("PACI_SUMMARY "))
-    records = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()]
-    return json.loads(line[len("PACI_SUMMARY "):]), records
+    return paci_summary(out), read_metrics(metrics)
 
 
 @pytest.fixture(scope="module")

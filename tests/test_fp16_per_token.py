@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from launch import run_torchrun
+from launch import paci_summary, run_torchrun
 
 CASES = ["fp16_flush_equals_stock", "fp16_paci", "fp16_overflow", "fp16_rescale",
          "per_token_flush_equals_stock", "per_token_paci"]
@@ -158,14 +158,10 @@ def test_pretrain_gpt_paci_fp16_with_per_token_loss(tmp_path):
          "--initial-loss-scale", "65536", "--loss-scale-window", "5", "--hysteresis", "1",
          "--calculate-per-token-loss", "--train-iters", "20", "--log-interval", "10"],
         nproc=2, timeout=400)
-    summary = json.loads(out.split("PACI_SUMMARY ", 1)[1].splitlines()[0])
+    summary = paci_summary(out)
     losses = summary["losses"]
     assert all(0 < x < 10 for x in losses) and sum(losses[-3:]) / 3 < losses[0] - 0.5
     assert [row["max"] for row in summary["drift"]] == [1, 0]
-
-
-def _summary(out):
-    return json.loads(out.split("PACI_SUMMARY ", 1)[1].splitlines()[0])
 
 
 @pytest.mark.slow
@@ -182,7 +178,7 @@ def test_fp16_save_and_resume_equals_an_uninterrupted_run(tmp_path):
     runs = [["--save", str(tmp_path / "whole"), "--save-interval", "4"],
             ["--save", str(tmp_path / "part"), "--exit-interval", "4"],
             ["--save", str(tmp_path / "part"), "--load", str(tmp_path / "part")]]
-    whole, first, second = (_summary(run_torchrun("pretrain_gpt_paci.py", flags + extra,
+    whole, first, second = (paci_summary(run_torchrun("pretrain_gpt_paci.py", flags + extra,
                                                   nproc=2, timeout=400)[1]) for extra in runs)
     assert first["losses"] + second["losses"] == whole["losses"]
     assert second["weights_sha256"] == whole["weights_sha256"]

@@ -2,11 +2,9 @@
 distributed optimizer, --overlap-grad-reduce and --overlap-param-gather, and
 --rampup-batch-size (the number of micro-batches changes during training)."""
 
-import json
-
 import pytest
 
-from launch import run_torchrun
+from launch import paci_summary, read_metrics, run_torchrun
 from messages import names_flag
 
 from paci_megatron.arguments import ConfigError, build_parser, validate
@@ -17,23 +15,12 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
         "--hidden-dropout", "0.1"]
 
 
-def _metrics(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def _summary(stdout):
-    lines = [l for l in stdout.splitlines() if l.startswith("PACI_SUMMARY ")]
-    assert len(lines) == 1, stdout[-3000:]
-    return json.loads(lines[0][len("PACI_SUMMARY "):])
-
-
 def _run(tmp, name, flags, nproc):
     path = tmp / f"{name}.jsonl"
     _, out, _ = run_torchrun("pretrain_gpt_paci.py", TINY + flags + ["--metrics-file", str(path)],
                              nproc=nproc, timeout=600)
-    records = [r for r in _metrics(path) if "lm_loss" in r]
-    return {"out": out, "records": records, "summary": _summary(out)}
+    records = [r for r in read_metrics(path) if "lm_loss" in r]
+    return {"out": out, "records": records, "summary": paci_summary(out)}
 
 
 # --- flag checks (no process group) ---------------------------------------------------------

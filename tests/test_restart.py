@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from launch import run_torchrun
+from launch import paci_summary, read_metrics, run_torchrun
 
 from paci_megatron.restart import SaveClock, describe_mismatch, run_fingerprint, trim_metrics
 
@@ -25,17 +25,6 @@ P4 = ["--pipeline-model-parallel-size", "4", "--num-layers", "4", "--hidden-size
 # restart it counts again from the resume, where the pipeline refills after the drain)
 NOT_REPLAYED = {"wall_s", "elapsed_ms", "tokens_per_sec", "peak_rss_mb", "peak_activation_mb",
                 "max_drift"}
-
-
-def _metrics(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def _summary(stdout):
-    lines = [l for l in stdout.splitlines() if l.startswith("PACI_SUMMARY ")]
-    assert len(lines) == 1, stdout[-3000:]
-    return json.loads(lines[0][len("PACI_SUMMARY "):])
 
 
 def _stamp(stdout, name):
@@ -58,7 +47,7 @@ def _job(tmp_path, name, script="pretrain_gpt_paci.py", fault=None, timeout=400)
                       "--metrics-file", str(metrics)],
         nproc=4, timeout=timeout, env=env,
         launcher_args=["--max-restarts", "2"] if fault else ())
-    return out, err, _metrics(metrics), ckpt
+    return out, err, read_metrics(metrics), ckpt
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +58,8 @@ def uninterrupted(tmp_path_factory):
 def _assert_same_run(restarted, uninterrupted):
     out, _, records, _ = restarted
     base_out, _, base_records, _ = uninterrupted
-    assert _summary(out)["weights_sha256"] == _summary(base_out)["weights_sha256"]
-    assert len(_summary(out)["weights_sha256"]) == 4  # one digest per stage
+    assert paci_summary(out)["weights_sha256"] == paci_summary(base_out)["weights_sha256"]
+    assert len(paci_summary(out)["weights_sha256"]) == 4  # one digest per stage
     iterations = [r["iteration"] for r in records if "lm_loss" in r]
     assert iterations == list(range(1, 9)), iterations  # each iteration once, in order
     # every record equal (losses, learning rate, grad norm, data position of every iteration;
@@ -221,7 +210,7 @@ def test_trim_metrics_keeps_each_iteration_once(tmp_path):
     lines.insert(3, {"iteration": 3, "validation_loss": 1.0})
     path.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"iteration": 6, "lm')
     assert trim_metrics(str(path), 3) == (4, 3)  # 4 and 5 dropped, and the line cut short
-    assert [r["iteration"] for r in _metrics(path)] == [1, 2, 3, 3]
+    assert [r["iteration"] for r in read_metrics(path)] == [1, 2, 3, 3]
     assert trim_metrics(str(path), 3) == (4, 0)
     assert trim_metrics(str(tmp_path / "absent.jsonl"), 3) == (0, 0)
 
