@@ -56,7 +56,10 @@ def call(fb, ctx, n, forward_step_func=None):
               seq_length=ctx["spec"].seq_length, micro_batch_size=MBS, forward_only=False)
 
 
-def train_stock(ctx, iters: int, n: int) -> List[str]:
+def train_stock(ctx, iters: int, n: int, logged=None, after_step=None) -> List:
+    """Stock Megatron: ``iters`` forward-backward calls of ``n`` micro-batches, each followed
+    by the optimizer (and LR) step. ``logged`` turns a call's store into what is compared
+    (default ``losses_hex``); ``after_step(ok)`` runs after each step."""
     fb = get_forward_backward_func()
     out = []
     dp = ctx["info"]["dp_size"]
@@ -64,10 +67,12 @@ def train_stock(ctx, iters: int, n: int) -> List[str]:
         for chunk in ctx["model"]:
             chunk.zero_grad_buffer()
         ctx["opt"].zero_grad()
-        out += losses_hex(call(fb, ctx, n))
+        out += (logged or losses_hex)(call(fb, ctx, n))
         ok, _, _ = ctx["opt"].step()
         if ok:
             ctx["sched"].step(increment=n * MBS * dp)
+        if after_step is not None:
+            after_step(ok)
     return out
 
 
@@ -77,10 +82,15 @@ def make_runtime(ctx, kind: str, a: int, **kw) -> PaciRuntime:
     return rt
 
 
-def train_runtime(ctx, rt: PaciRuntime, iters: int, n: int, forward_step_func=None) -> List[str]:
+def train_runtime(ctx, rt: PaciRuntime, iters: int, n: int, forward_step_func=None,
+                  logged=None, after_call=None) -> List:
+    """``iters`` training calls of the runtime; ``logged`` and ``after_call()`` as in
+    ``train_stock``."""
     out = []
     for _ in range(iters):
-        out += losses_hex(call(rt.forward_backward, ctx, n, forward_step_func))
+        out += (logged or losses_hex)(call(rt.forward_backward, ctx, n, forward_step_func))
+        if after_call is not None:
+            after_call()
     return out
 
 

@@ -13,8 +13,9 @@ import sys
 import torch
 
 from paci_megatron.mcore import build
-from paci_megatron.mcore.runtime import GradMeta, get_forward_backward_func
-from paci_cases import MBS, digest, finish, make_runtime  # same folder: the script's own
+from paci_megatron.mcore.runtime import GradMeta
+import paci_cases  # same folder: the script's own
+from paci_cases import MBS, digest, finish, make_runtime
 
 
 def setup(*, fp16=False, per_token=False, pp=2, seed=1234, lr=2e-3, scale=2.0 ** 12,
@@ -56,37 +57,26 @@ def losses_hex(store):
     return [[float(x).hex() for x in torch.as_tensor(d["lm loss"]).view(-1)] for d in store]
 
 
-def call(fb, ctx, n, forward_step_func=None):
-    return fb(forward_step_func=forward_step_func or build.gpt_forward_step,
-              data_iterator=ctx["data"], model=ctx["model"], num_microbatches=n,
-              seq_length=ctx["spec"].seq_length, micro_batch_size=MBS, forward_only=False)
-
-
 def scale_of(ctx) -> float:
     return float(ctx["opt"].get_loss_scale())
 
 
 def train_stock(ctx, iters, n):
-    fb = get_forward_backward_func()
-    out, scales, ok_list = [], [], []
-    for _ in range(iters):
-        for chunk in ctx["model"]:
-            chunk.zero_grad_buffer()
-        ctx["opt"].zero_grad()
-        out += losses_hex(call(fb, ctx, n))
-        ok, _, _ = ctx["opt"].step()
-        if ok:
-            ctx["sched"].step(increment=n * MBS)
+    """Stock Megatron with this stage's loss scale and step success after every step."""
+    scales, ok_list = [], []
+
+    def record(ok):
         scales.append(scale_of(ctx))
         ok_list.append(bool(ok))
+
+    out = paci_cases.train_stock(ctx, iters, n, logged=losses_hex, after_step=record)
     return out, scales, ok_list
 
 
 def train_runtime(ctx, rt, iters, n, forward_step_func=None):
-    out, scales = [], []
-    for _ in range(iters):
-        out += losses_hex(call(rt.forward_backward, ctx, n, forward_step_func))
-        scales.append(scale_of(ctx))
+    scales = []
+    out = paci_cases.train_runtime(ctx, rt, iters, n, forward_step_func, logged=losses_hex,
+                                   after_call=lambda: scales.append(scale_of(ctx)))
     return out, scales
 
 
