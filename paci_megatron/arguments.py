@@ -259,6 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--paci-drift-lr-anneal-iters", 0), default=0, metavar="N",
                    help="fade the drift damping out linearly over the first N iterations "
                         "(default 0: never fade)")
+    g.add_argument("--paci-stale-grad-weight", type=float, default=1.0, metavar="W",
+                   help="weigh each micro-batch's gradient at a stage by W ** drift (its "
+                        "drift there), renormalised so each step still applies a mean over a "
+                        "micro-batches; 0 < W <= 1 (default 1: plain PACI)")
     g.add_argument("--paci-on-nonfinite", choices=["skip", "abort"], default="skip",
                    help="a NaN/Inf gradient at a stage's step: skip that update (and count it) "
                         "or stop the job")
@@ -351,10 +355,12 @@ def validate(args: argparse.Namespace, world_size: int) -> ScheduleOptions:
         on_nonfinite=args.paci_on_nonfinite, sync_iters=args.paci_sync_iters,
         drift_lr_damping=args.paci_drift_lr_damping,
         drift_lr_anneal_iters=args.paci_drift_lr_anneal_iters,
+        stale_grad_weight=args.paci_stale_grad_weight,
         adapt_interval=adapt_interval, adapt_tolerance=args.paci_adapt_tolerance,
         adapt_policy=args.paci_adapt_policy or "staleness",
     )
     _check_drift_lr_flags(args)
+    _check_stale_grad_weight(args)
     if args.paci_sync_iters and args.pipeline_schedule != "paci":
         raise ConfigError(f"--paci-sync-iters {args.paci_sync_iters} only applies to "
                           "--pipeline-schedule paci; drop it")
@@ -372,6 +378,15 @@ def _check_drift_lr_flags(args) -> None:
     if args.paci_drift_lr_anneal_iters and not args.paci_drift_lr_damping:
         raise ConfigError(f"--paci-drift-lr-anneal-iters {args.paci_drift_lr_anneal_iters} has "
                           "nothing to fade; add --paci-drift-lr-damping C (C > 0) or drop it")
+
+
+def _check_stale_grad_weight(args) -> None:
+    weight = args.paci_stale_grad_weight
+    if not 0.0 < weight <= 1.0:
+        raise ConfigError(f"--paci-stale-grad-weight {weight:g} must be in (0, 1] (1: plain PACI)")
+    if weight != 1.0 and args.pipeline_schedule != "paci":
+        raise ConfigError(f"--paci-stale-grad-weight {weight:g} only applies to "
+                          "--pipeline-schedule paci; drop it")
 
 
 # tolerance 0: plain PACI's peak staleness so far (see adapt.py)

@@ -24,6 +24,7 @@ class ScheduleOptions:
     sync_iters: int = 0  # --paci-sync-iters: stock 1F1B for the first K iterations
     drift_lr_damping: float = 0.0  # --paci-drift-lr-damping C
     drift_lr_anneal_iters: int = 0  # --paci-drift-lr-anneal-iters N
+    stale_grad_weight: float = 1.0  # --paci-stale-grad-weight W
     # --paci-accumulation-factor auto: decide every adapt_interval iterations (0: fixed a)
     adapt_interval: int = 0
     adapt_tolerance: float = 0.0
@@ -102,7 +103,7 @@ def _make_paci(opts: ScheduleOptions):
                        on_nonfinite=opts.on_nonfinite, sync_calls=opts.sync_iters,
                        drift_lr_damping=opts.drift_lr_damping,
                        drift_lr_anneal_iters=opts.drift_lr_anneal_iters,
-                       adaptive=adaptive)
+                       adaptive=adaptive, stale_grad_weight=opts.stale_grad_weight)
 
 
 def default_registry() -> ScheduleRegistry:

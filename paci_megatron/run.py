@@ -55,7 +55,8 @@ def validate_flags(args: argparse.Namespace) -> None:
     schedule = args.pipeline_schedule
     paci_flags = [flag for flag, value in (
         ("--paci-accumulation-factor", args.paci_accumulation_factor),
-        ("--paci-max-drift", args.paci_max_drift)) if value is not None]
+        ("--paci-max-drift", args.paci_max_drift),
+        ("--paci-stale-grad-weight", args.paci_stale_grad_weight)) if value is not None]
     if schedule != "paci" and paci_flags:
         verb = "apply" if len(paci_flags) > 1 else "applies"
         raise ValueError(f"{', '.join(paci_flags)} only {verb} to --pipeline-schedule paci "
@@ -93,6 +94,7 @@ def validate_flags(args: argparse.Namespace) -> None:
                          "yet (the output layer's gradient reaches stage 0 at the last stage's "
                          "loss scale); use --bf16, or add --untie-embeddings-and-output-weights")
     check_rampup(args)
+    check_stale_grad_weight(args)
     rerun_mode = getattr(args, "rerun_mode", "disabled")
     if rerun_mode not in ("disabled", "validate_results"):
         raise ValueError(f"--pipeline-schedule paci cannot re-run iterations (micro-batches stay "
@@ -100,6 +102,14 @@ def validate_flags(args: argparse.Namespace) -> None:
     if getattr(args, "apply_layernorm_1p", False):
         raise ValueError(ZERO_CENTERED_GAMMA)
     refuse_stage_crossing_collectives(args)
+
+
+def check_stale_grad_weight(args: argparse.Namespace) -> None:
+    weight = args.paci_stale_grad_weight
+    if weight is None or weight == 1.0:
+        return
+    if not 0.0 < weight <= 1.0:
+        raise ValueError(f"--paci-stale-grad-weight {weight:g} must be in (0, 1] (1: plain PACI)")
 
 
 def check_rampup(args: argparse.Namespace) -> None:
@@ -171,7 +181,9 @@ def make_runtime(margs, num_microbatches: int):
         virtual_size=margs.virtual_pipeline_model_parallel_size,
         num_microbatches=num_microbatches, accumulation=accumulation,
         max_drift=margs.paci_max_drift, micro_batch_size=margs.micro_batch_size,
-        data_parallel_size=margs.data_parallel_size, on_nonfinite=margs.paci_on_nonfinite)
+        data_parallel_size=margs.data_parallel_size, on_nonfinite=margs.paci_on_nonfinite,
+        stale_grad_weight=(1.0 if margs.paci_stale_grad_weight is None
+                           else margs.paci_stale_grad_weight))
     entry = SCHEDULES.get("paci")
     try:
         entry.check(opts)

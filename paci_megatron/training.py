@@ -492,7 +492,9 @@ def train(args, opts: ScheduleOptions) -> Dict:
                 if opts.sync_iters else "")
              + (f", drift LR damping {opts.drift_lr_damping:g}" + (
                  f" fading out over {opts.drift_lr_anneal_iters} iterations"
-                 if opts.drift_lr_anneal_iters else "") if opts.drift_lr_damping else ""))
+                 if opts.drift_lr_anneal_iters else "") if opts.drift_lr_damping else "")
+             + (f", stale gradients weighted {opts.stale_grad_weight:g} ** drift"
+                if opts.stale_grad_weight != 1.0 else ""))
     t_last = time.perf_counter()
     since_log = 0
     while job.iteration < args.train_iters:

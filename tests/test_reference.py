@@ -20,9 +20,9 @@ pytestmark = pytest.mark.dist
 WORKER = "tests/workers/reference_cases.py"
 PP_ONLY = ["p2_a4", "p2_a2", "p2_bf16", "p2_distopt", "p2_drain_eval",
            "p4_a4", "p4_a1", "p4_bf16", "p4_recompute", "p4_eval_nodrain", "p4_drain_eval",
-           "p4_auto", "p2_tied", "p2_tied_bf16", "p4_tied"]
-PARALLEL = ["p2_dp2", "p2_dp2_distopt", "p2_tp2", "p2_dp2_tied"]  # 2 emulator processes, 4 runtime ones
-PRECISION = ["p2_fp16", "p2_per_token"]  # a loss scaler per stage; per-token loss
+           "p4_auto", "p2_tied", "p2_tied_bf16", "p4_tied", "p4_stale", "p4_tied_stale"]
+PARALLEL = ["p2_dp2", "p2_dp2_distopt", "p2_tp2", "p2_dp2_tied", "p2_dp2_stale"]  # 2 emulator processes, 4 runtime ones
+PRECISION = ["p2_fp16", "p2_per_token", "p2_per_token_stale"]  # a loss scaler per stage; per-token loss
 RUNTIME_P2 = [c for c in PP_ONLY if c.startswith("p2")] + PRECISION
 RUNTIME_P4 = [c for c in PP_ONLY if c.startswith("p4")] + PARALLEL
 
@@ -149,3 +149,18 @@ def test_backward_uses_the_current_weights(case, results):
         else:
             assert stale == 0
     assert changed_total > 0
+
+
+@pytest.mark.parametrize("case,twin", [("p4_tied_stale", "p4_tied"),
+                                       ("p2_per_token_stale", "p2_per_token")])
+def test_stale_gradient_weights_change_only_the_stages_with_drift(case, twin, results):
+    """The twin is the same run unweighted: the first stage's weights differ from its first
+    drifting group on, the last stage's (no drift) only through what its inputs became."""
+    weighted, plain = results(case, "runtime"), results(twin, "runtime")
+    cfg = weighted["pp0tp0dp0"]["config"]
+    assert weighted["pp0tp0dp0"]["histogram"] != {"0": len(weighted["pp0tp0dp0"]["steps"])}
+    first = [s["weights"] for s in weighted["pp0tp0dp0"]["steps"]]
+    assert first != [s["weights"] for s in plain["pp0tp0dp0"]["steps"]]
+    last = f"pp{cfg['pp'] - 1}tp0dp0"
+    # the first step of the last stage sees the same inputs as unweighted (nothing stale yet)
+    assert weighted[last]["steps"][0] == plain[last]["steps"][0]

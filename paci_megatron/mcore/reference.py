@@ -135,6 +135,7 @@ class _Stage:
     grad_meta: Dict[int, tuple] = field(default_factory=dict)
     meta_out: Dict[int, tuple] = field(default_factory=dict)
     group_tokens: int = 0
+    group_drifts: List[int] = field(default_factory=list)  # since the step, in order
 
 
 class TiedState:
@@ -176,8 +177,10 @@ class PipelineEmulator:
     def __init__(self, *, num_stages: int, accumulation: int, micro_batch_size: int,
                  seq_length: int, build_stage: Callable[[int], StageParts], seed: int = 1234,
                  kind: str = "paci", lr_increment: Optional[int] = None,
-                 forward_step_func: Callable = build.gpt_forward_step):
+                 forward_step_func: Callable = build.gpt_forward_step,
+                 stale_grad_weight: float = 1.0):
         self.num_stages, self.accumulation, self.kind = num_stages, accumulation, kind
+        self.stale_grad_weight = stale_grad_weight  # --paci-stale-grad-weight W
         self.micro_batch_size, self.seq_length = micro_batch_size, seq_length
         self.forward_step_func = forward_step_func
         dp = parallel_state.get_data_parallel_world_size()
@@ -253,9 +256,11 @@ class PipelineEmulator:
             sender_scale, tokens = stage.grad_meta.pop(mb)
             with torch.no_grad():
                 stage.output_grads[mb].mul_(scale / sender_scale)
-        stage.group_tokens += tokens
+        weight = self.stale_grad_weight ** drift  # the token count is weighted as the gradient
+        stage.group_tokens += tokens if weight == 1.0 else weight * tokens
         if stage.index > 0:
             stage.meta_out[mb] = (scale, tokens)
+        self._weigh_stale(stage, drift)
         with sync:
             grad = mcore_schedules.backward_step(
                 stage.inputs.pop(mb, None), stage.outputs.pop(mb), stage.output_grads.pop(mb, None),
@@ -264,6 +269,25 @@ class PipelineEmulator:
             stage.input_grads[mb] = grad
         if closes_group and self.tied is not None and stage.index == self.num_stages - 1:
             self.tied.grads.append(grad_of(self.tied.last).detach().clone())
+
+    def _weigh_stale(self, stage: _Stage, drift: int) -> None:
+        """--paci-stale-grad-weight W: the group's earlier gradients, all at least as stale
+        as this one, take W per step of drift above it; the step finishes the weights."""
+        w = self.stale_grad_weight
+        if w == 1.0:
+            return
+        if stage.group_drifts and stage.group_drifts[-1] != drift:
+            stage.parts.model.scale_gradients(w ** (stage.group_drifts[-1] - drift))
+        stage.group_drifts.append(drift)
+
+    def _finish_stale_weights(self, stage: _Stage) -> None:
+        drifts, w = stage.group_drifts, self.stale_grad_weight
+        if drifts and get_model_config(stage.parts.model).calculate_per_token_loss:
+            stage.parts.model.scale_gradients(w ** drifts[-1])  # the token count normalises
+        elif drifts:
+            stage.parts.model.scale_gradients(
+                w ** drifts[-1] * len(drifts) / sum(w ** d for d in drifts))
+        stage.group_drifts = []
 
     def _send_b(self, stage: _Stage, mb: int) -> None:
         grad = stage.input_grads.pop(mb)
@@ -281,11 +305,16 @@ class PipelineEmulator:
         model, optimizer, scheduler = (stage.parts.model, stage.parts.optimizer,
                                        stage.parts.lr_scheduler)
         tied = self.tied if stage.index in (0, self.num_stages - 1) else None
-        if tied is not None and stage.index == 0:  # stock's all-reduce sum, at the owner
+        owner = tied is not None and stage.index == 0
+        if owner:  # weighted before stock's all-reduce sum, made here at the owner
+            self._finish_stale_weights(stage)
             grad_of(tied.owner).add_(tied.grads.pop(0))
         model.finish_grad_sync()
+        if not owner:
+            self._finish_stale_weights(stage)
         if get_model_config(model).calculate_per_token_loss:  # this stage's group's tokens
-            count = torch.tensor(stage.group_tokens, dtype=torch.int)
+            count = torch.tensor(stage.group_tokens, dtype=torch.int if isinstance(
+                stage.group_tokens, int) else torch.float64)
             if parallel_state.get_data_parallel_world_size() > 1:
                 torch.distributed.all_reduce(count, group=parallel_state.get_data_parallel_group())
             if count > 0:

@@ -24,6 +24,7 @@ from megatron.core.utils import get_model_config, get_model_type
 from ..adapt import Adaptive, bound_in_call, staleness
 from ..autograd_versions import ZERO_CENTERED_GAMMA, keep_version_counters
 from ..executor import DriftStats, ReplayIterator, StageExecutor
+from ..stale_weights import StaleGradWeights
 from ..schedule import (Action, Op, StreamPlan, check_max_drift, check_per_call, drift_bound,
                         exchanges, plan_stream)
 from . import param_gather
@@ -108,8 +109,13 @@ class MegatronHandlers:
         state = self.state
         closes_group = (mb + 1) % self.rt.plan.accumulation == 0
         self.finish_send_of(mb)  # long done: the next stage already sent this one's gradient
+        stale, weight = self.rt.stale, 1.0
+        if stale is not None:
+            _mb, fwd_version, version = self.rt.drift.log[-1]  # the executor logged this one
+            weight = stale.weight_of(version - fwd_version)
+            scale_grads(self.model, stale.before_backward(version - fwd_version))
         if self.rt.meta is not None:
-            self.rt.meta.before_backward(self.rt, state, mb)
+            self.rt.meta.before_backward(self.rt, state, mb, token_weight=weight)
         with self.rt.grad_sync(enabled=closes_group):
             grad = mcore_schedules.backward_step(
                 state.inputs.pop(mb, None), state.outputs.pop(mb), state.output_grads.pop(mb, None),
@@ -229,7 +235,8 @@ class GradMeta:
         self.device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
         self.group_tokens = 0  # this stage's tokens since its last step
 
-    def before_backward(self, rt: "PaciRuntime", state: StageState, mb: int) -> None:
+    def before_backward(self, rt: "PaciRuntime", state: StageState, mb: int,
+                        token_weight: float = 1.0) -> None:
         own = rt.loss_scale()
         if rt.is_last:
             sender, tokens = own, int(state.tokens.pop(mb))
@@ -238,7 +245,8 @@ class GradMeta:
             if sender != own:
                 with torch.no_grad():  # Megatron's receive buffers require grad
                     state.output_grads[mb].mul_(own / sender)
-        self.group_tokens += tokens
+        # --paci-stale-grad-weight: the count is weighted as the gradient is
+        self.group_tokens += tokens if token_weight == 1.0 else token_weight * tokens
         if not rt.is_first:
             state.meta_out[mb] = torch.tensor([own, tokens], dtype=torch.float64,
                                               device=self.device)
@@ -255,7 +263,8 @@ class GradMeta:
 
     def divide_by_tokens(self, model, dp_cp_group) -> None:
         """What stock finalize_model_grads does with num_tokens, minus the pipeline broadcast."""
-        count = torch.tensor(self.group_tokens, dtype=torch.int, device=self.device)
+        count = torch.tensor(self.group_tokens, device=self.device,
+                             dtype=torch.int if isinstance(self.group_tokens, int) else torch.float64)
         self.group_tokens = 0
         if dp_cp_group is not None and dp_cp_group.size() > 1:
             torch.distributed.all_reduce(count, group=dp_cp_group)
@@ -413,6 +422,12 @@ def _sub_optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
+def scale_grads(model, factor: float) -> None:
+    """Scale the stage's accumulated gradients in place (Megatron's DDP buffers)."""
+    if factor != 1.0:
+        model.scale_gradients(factor)
+
+
 def drift_lr_factor(damping: float, anneal_iters: int, iteration: int,
                     mean_drift: float) -> float:
     """--paci-drift-lr-damping C: 1 / (1 + C w mean_drift), w fading linearly from 1 at
@@ -452,7 +467,7 @@ class PaciRuntime:
     def __init__(self, *, accumulation: int, kind: str = "paci", max_drift: Optional[int] = None,
                  on_nonfinite: str = "skip", sync_calls: int = 0,
                  drift_lr_damping: float = 0.0, drift_lr_anneal_iters: int = 0,
-                 adaptive: Optional[Adaptive] = None):
+                 adaptive: Optional[Adaptive] = None, stale_grad_weight: float = 1.0):
         if kind not in ("paci", "flush"):
             raise ValueError(f"unknown runtime kind {kind!r}")
         self.kind = kind
@@ -504,6 +519,9 @@ class PaciRuntime:
         self._stage_pg: Optional[ProcessGroupCollection] = None
         self.meta: Optional[GradMeta] = None  # --fp16 / --calculate-per-token-loss
         self._loss_scale: Optional[float] = None  # read once per step (a device sync on GPU)
+        # --paci-stale-grad-weight: None leaves gradients as plain PACI sums them
+        self.stale = (StaleGradWeights(stale_grad_weight)
+                      if kind == "paci" and stale_grad_weight != 1.0 else None)
 
     # wiring ----------------------------------------------------------------------------------
     def bind(self, optimizer, lr_scheduler=None, lr_increment: Optional[int] = None) -> None:
@@ -585,16 +603,8 @@ class PaciRuntime:
         if self.optimizer is None:
             raise RuntimeError("PaciRuntime.bind(optimizer, ...) must be called before training")
         model = self._model
-        config = get_model_config(model)
         tied = self.tied
-        if tied is not None and tied.is_owner:
-            tied.add_output_grad()
-        pg = self._stage_pg if tied is not None else self.pg
-        config.finalize_model_grads_func([model], None, pg_collection=pg)
-        if self.meta is not None and self.meta.per_token:
-            self.meta.divide_by_tokens(model, self.pg.dp_cp)
-        if tied is not None and not tied.is_owner:
-            tied.before_last_step()
+        self._finish_grads(model)
         factor = self.lr_factor_now()
         # fp16: the loss scaler checks for overflow (over the stage's grad-stats group), skips
         # and backs off, as stock; an overflow is routine there, not an error
@@ -628,6 +638,25 @@ class PaciRuntime:
         self._loss_scale = None  # the scaler may have grown or backed off
         self.steps.append(StepRecord(mb, bool(ok), None if grad_norm is None else float(grad_norm), lr,
                                      factor))
+
+    def _finish_grads(self, model) -> None:
+        """Weigh the group's gradients (--paci-stale-grad-weight), add the tied output-layer
+        gradient, reduce over data-parallel ranks and normalise per token, all stage-local."""
+        tied = self.tied
+        owner = tied is not None and tied.is_owner
+        per_token = self.meta is not None and self.meta.per_token
+        weights = self.stale.at_step(renormalize=not per_token) if self.stale else 1.0
+        if owner:  # before the last stage's output-layer gradient joins (no overlap with tied)
+            scale_grads(model, weights)
+            tied.add_output_grad()
+        pg = self._stage_pg if tied is not None else self.pg
+        get_model_config(model).finalize_model_grads_func([model], None, pg_collection=pg)
+        if not owner:  # after the reduction, which --overlap-grad-reduce may still be running
+            scale_grads(model, weights)
+        if per_token:
+            self.meta.divide_by_tokens(model, self.pg.dp_cp)
+        if tied is not None and not tied.is_owner:
+            tied.before_last_step()
 
     def lr_factor_now(self) -> float:
         """The drift damping of the step about to be taken: stage-local (this stage's own

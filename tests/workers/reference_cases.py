@@ -35,7 +35,7 @@ SEED = 1234
 BASE = dict(tp=1, dp=1, a=4, n=4, calls=5, dropout=0.0, bf16=False, recompute=False,
             dist_opt=False, clip=0.3, layers=4, drain_after=None, eval_after=None,
             audit=False, factors=None, tied=False,
-            fp16=False, per_token=False)
+            fp16=False, per_token=False, stale_weight=1.0)
 CASES: Dict[str, Dict] = {
     "p2_a4": dict(pp=2, dropout=0.1),
     "p2_a2": dict(pp=2, a=2, n=8, calls=4),
@@ -65,6 +65,14 @@ CASES: Dict[str, Dict] = {
     # gradients are rescaled between scales throughout
     "p2_fp16": dict(pp=2, a=2, calls=6, fp16=True),
     "p2_per_token": dict(pp=2, a=2, calls=4, per_token=True, dropout=0.1),
+    # --paci-stale-grad-weight: drift 2 and 1 in one group at stage 0 (a=2), with tied
+    # embeddings (the output-layer gradient joins after the weighting), a drain and
+    # evaluations; and with data parallelism (weighted before the reduction)
+    "p4_stale": dict(pp=4, a=4, n=8, calls=4, dropout=0.1, stale_weight=0.3),
+    "p4_tied_stale": dict(pp=4, a=2, calls=6, tied=True, drain_after=(3,), eval_after=(2, 4),
+                          stale_weight=0.5),
+    "p2_dp2_stale": dict(pp=2, dp=2, a=2, dropout=0.1, stale_weight=0.5),
+    "p2_per_token_stale": dict(pp=2, a=2, calls=4, per_token=True, stale_weight=0.5),
 }
 
 
@@ -129,7 +137,8 @@ def run_runtime(case: str, out_dir: str) -> None:
     parts = build_parts(cfg)
     adaptive = Adaptive(cfg["pp"], cfg["n"], candidates(cfg["pp"], cfg["n"], None), interval=1,
                         tolerance=0.0, policy="cycle") if cfg["factors"] else None
-    rt = PaciRuntime(kind="paci", accumulation=cfg["a"], adaptive=adaptive)
+    rt = PaciRuntime(kind="paci", accumulation=cfg["a"], adaptive=adaptive,
+                     stale_grad_weight=cfg["stale_weight"])
     rt.bind(parts.optimizer, parts.lr_scheduler, lr_increment=cfg["a"] * MBS * info["dp_size"])
     steps: List[Dict] = []
     local_step = rt.local_step
@@ -168,7 +177,8 @@ def run_emulator(case: str, out_dir: str) -> None:
     cfg = config(case)
     info = build.init_distributed(tp=cfg["tp"], pp=1, seed=SEED, timeout_s=120)
     emu = PipelineEmulator(num_stages=cfg["pp"], accumulation=cfg["a"], micro_batch_size=MBS,
-                           seq_length=16, build_stage=lambda s: build_parts(cfg), seed=SEED)
+                           seq_length=16, build_stage=lambda s: build_parts(cfg), seed=SEED,
+                           stale_grad_weight=cfg["stale_weight"])
     audits = {s: audit_backward(emu, s) for s in range(cfg["pp"])} if cfg["audit"] else {}
     losses: List[str] = []
     for call in range(cfg["calls"]):

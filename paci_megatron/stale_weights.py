@@ -1,0 +1,55 @@
+"""--paci-stale-grad-weight w: weigh each micro-batch's gradient by w ** drift at its stage.
+
+A micro-batch whose backward runs after its stage's step (drift d > 0) brings a gradient
+computed from activations of the previous weights; at large step sizes those gradients cost
+PACI most of its loss gap to 1F1B. Giving them less weight (and the fresh ones more, so that
+the step still applies a mean over a micro-batches) trades some of that error for noise.
+
+No copy of the gradient is needed because the schedule fixes the order: between two steps a
+stage runs its backwards in micro-batch order, and their forwards in the same order, so the
+drift never rises within a group. The buffer is scaled by w ** (d_prev - d) whenever the
+drift falls, and once more at the step (by w ** d_last and the renormalisation), which
+leaves w ** d_i on every contribution. Torch-free: the runtime applies the factors.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+class StaleGradWeights:
+    def __init__(self, weight: float):
+        if not 0.0 < weight <= 1.0:
+            raise ValueError(f"--paci-stale-grad-weight must be in (0, 1], got {weight}")
+        self.weight = weight
+        self._level: Optional[int] = None  # drift of the buffer's latest contribution
+        self._total = 0.0  # sum of weight ** drift over the group so far
+        self._count = 0
+
+    def weight_of(self, drift: int) -> float:
+        return self.weight ** drift
+
+    def before_backward(self, drift: int) -> float:
+        """The factor to scale the gradient buffer by before this micro-batch's backward."""
+        factor = 1.0
+        if self._level is not None:
+            if drift > self._level:
+                raise RuntimeError(f"drift rose from {self._level} to {drift} between two "
+                                   "steps; --paci-stale-grad-weight relies on it never rising")
+            factor = self.weight ** (self._level - drift)
+        self._level = drift
+        self._total += self.weight_of(drift)
+        self._count += 1
+        return factor
+
+    def at_step(self, renormalize: bool = True) -> float:
+        """The factor that completes the weights and, with ``renormalize``, makes the buffer
+        a weighted mean again (the scale of the unweighted sum of ``count`` backwards); resets
+        the group. Per-token loss renormalises by weighted token counts instead."""
+        if not self._count:
+            return 1.0
+        factor = self.weight ** self._level
+        if renormalize:
+            factor *= self._count / self._total
+        self._level, self._total, self._count = None, 0.0, 0
+        return factor
