@@ -10,6 +10,7 @@ from typing import List, Optional, Sequence
 
 from .quiet import is_local_rank0
 from .registry import SCHEDULES, ScheduleOptions
+from .stale_weights import DEFAULT_WEIGHT, resolve_weight
 
 
 class ConfigError(ValueError):
@@ -259,10 +260,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--paci-drift-lr-anneal-iters", 0), default=0, metavar="N",
                    help="fade the drift damping out linearly over the first N iterations "
                         "(default 0: never fade)")
-    g.add_argument("--paci-stale-grad-weight", type=float, default=1.0, metavar="W",
+    g.add_argument("--paci-stale-grad-weight", type=float, default=None, metavar="W",
                    help="weigh each micro-batch's gradient at a stage by W ** drift (its "
                         "drift there), renormalised so each step still applies a mean over a "
-                        "micro-batches; 0 < W <= 1 (default 1: plain PACI)")
+                        f"micro-batches; 0 < W <= 1 (default {DEFAULT_WEIGHT:g}; 1: the "
+                        "paper's plain PACI)")
     g.add_argument("--paci-on-nonfinite", choices=["skip", "abort"], default="skip",
                    help="a NaN/Inf gradient at a stage's step: skip that update (and count it) "
                         "or stop the job")
@@ -355,7 +357,7 @@ def validate(args: argparse.Namespace, world_size: int) -> ScheduleOptions:
         on_nonfinite=args.paci_on_nonfinite, sync_iters=args.paci_sync_iters,
         drift_lr_damping=args.paci_drift_lr_damping,
         drift_lr_anneal_iters=args.paci_drift_lr_anneal_iters,
-        stale_grad_weight=args.paci_stale_grad_weight,
+        stale_grad_weight=resolve_weight(args.paci_stale_grad_weight, args.pipeline_schedule),
         adapt_interval=adapt_interval, adapt_tolerance=args.paci_adapt_tolerance,
         adapt_policy=args.paci_adapt_policy or "staleness",
     )
@@ -382,6 +384,8 @@ def _check_drift_lr_flags(args) -> None:
 
 def _check_stale_grad_weight(args) -> None:
     weight = args.paci_stale_grad_weight
+    if weight is None:
+        return
     if not 0.0 < weight <= 1.0:
         raise ConfigError(f"--paci-stale-grad-weight {weight:g} must be in (0, 1] (1: plain PACI)")
     if weight != 1.0 and args.pipeline_schedule != "paci":

@@ -170,6 +170,7 @@ def make_runtime(margs, num_microbatches: int):
     """The PACI runtime for Megatron-LM's parsed args (process groups exist by now)."""
     from .mcore.checkpoint import writer_queue_dies_with_this_process
     from .registry import SCHEDULES, ScheduleOptions
+    from .stale_weights import resolve_weight
 
     # a worker killed under torchrun --max-restarts must not leave Megatron's checkpoint
     # writer Manager behind (it holds the job's output pipes open)
@@ -182,8 +183,7 @@ def make_runtime(margs, num_microbatches: int):
         num_microbatches=num_microbatches, accumulation=accumulation,
         max_drift=margs.paci_max_drift, micro_batch_size=margs.micro_batch_size,
         data_parallel_size=margs.data_parallel_size, on_nonfinite=margs.paci_on_nonfinite,
-        stale_grad_weight=(1.0 if margs.paci_stale_grad_weight is None
-                           else margs.paci_stale_grad_weight))
+        stale_grad_weight=resolve_weight(margs.paci_stale_grad_weight, "paci"))
     entry = SCHEDULES.get("paci")
     try:
         entry.check(opts)
@@ -195,7 +195,8 @@ def make_runtime(margs, num_microbatches: int):
     if margs.rank == 0:
         print(f"> PACI: accumulation factor {accumulation} of {num_microbatches} micro-batches "
               f"per iteration ({num_microbatches // accumulation} local steps per stage and "
-              f"iteration), {margs.pipeline_model_parallel_size} stages", flush=True)
+              f"iteration), {margs.pipeline_model_parallel_size} stages, stale gradients "
+              f"weighted {opts.stale_grad_weight:g} ** drift", flush=True)
     return runtime
 
 

@@ -16,6 +16,17 @@ from __future__ import annotations
 
 from typing import Optional
 
+# --pipeline-schedule paci's default (measured best, benchmarks/README.md section 9); 1 is the
+# paper's plain PACI
+DEFAULT_WEIGHT = 0.2
+
+
+def resolve_weight(weight: Optional[float], schedule: str) -> float:
+    """The weight in force: the flag's value, else the default for PACI (1 for the others)."""
+    if weight is not None:
+        return weight
+    return DEFAULT_WEIGHT if schedule == "paci" else 1.0
+
 
 class StaleGradWeights:
     def __init__(self, weight: float):

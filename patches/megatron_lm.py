@@ -119,7 +119,8 @@ def add_paci_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                             "ceil((P-1-s)/a))")
     group.add_argument("--paci-stale-grad-weight", type=float, default=None, metavar="W",
                        help="weigh each micro-batch's gradient at a stage by W ** its drift "
-                            "there, renormalised (0 < W <= 1; 1: the paper's plain PACI)")
+                            "there, renormalised (0 < W <= 1; default: paci-megatron's, 0.2; "
+                            "1: the paper's plain PACI)")
     group.add_argument("--paci-on-nonfinite", choices=("skip", "abort"), default="skip",
                        help="a NaN/Inf gradient at a stage's local step: skip that update or stop")
     return parser

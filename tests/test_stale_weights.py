@@ -87,3 +87,20 @@ def test_bad_weights_are_refused_by_both_entry_points(argv, message, capsys):
     with pytest.raises(ValueError, match=re.escape(message)):
         paci_run.validate_flags(_megatron_args(pipeline_schedule=schedule,
                                                paci_stale_grad_weight=float(argv[-1])))
+
+
+def test_paci_weighs_by_default_and_plain_paci_is_one_flag_away():
+    from paci_megatron.arguments import parse_and_validate
+    from paci_megatron.stale_weights import DEFAULT_WEIGHT
+
+    def weight(*argv):
+        _args, opts = parse_and_validate(["--pipeline-model-parallel-size", "2",
+                                          "--untie-embeddings-and-output-weights", *argv],
+                                         world_size=2)
+        return opts.stale_grad_weight
+
+    assert DEFAULT_WEIGHT < 1.0
+    assert weight() == DEFAULT_WEIGHT
+    assert weight("--paci-stale-grad-weight", "1") == 1.0  # the paper's plain PACI
+    assert weight("--paci-stale-grad-weight", "0.5") == 0.5
+    assert weight("--pipeline-schedule", "1f1b") == 1.0
