@@ -1,9 +1,10 @@
 #!/bin/bash
 # Convergence study (issue 10): P=4, tinyshakespeare, 1000 updates (warmup 50, cosine to 0.1x),
-# a = M = 4 and a = M = 8 at the same 16 sequences per update, 1F1B vs plain PACI vs each
-# mitigation, seeds 1234 and 1235. Writes OUT/m4/report.md and OUT/m8/report.md.
+# a = M = 4 and a = M = 8 at the same 16 sequences per update, 1F1B vs plain PACI (weight 1)
+# vs each mitigation and the default (stale-gradient weight 0.2), seeds 1234 and 1235.
+# Writes OUT/m4/report.md and OUT/m8/report.md.
 #
-#   bash benchmarks/convergence_study.sh [OUT]      (default OUT=/tmp/study; ~2 h on 2 idle cores)
+#   bash benchmarks/convergence_study.sh [OUT]      (default OUT=/tmp/study; ~3 h on 2 idle cores)
 #
 # Needs the tokenized corpus (once, ~1 min):
 #   python -m paci_megatron.preprocess_data --input ../shared/data/tinyshakespeare.txt \
@@ -19,12 +20,17 @@ COMMON=(--data-path "$DATA/shakespeare_text_document" --tokenizer-type SentenceP
         --global-batch-size 16 --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine
         --lr-warmup-iters 50 --train-iters 1000 --eval-interval 50 --eval-iters 8
         --log-interval 10 --split 95,5,0)
+PLAIN="--pipeline-schedule paci --paci-stale-grad-weight 1"  # the paper's PACI
+W="--pipeline-schedule paci --paci-stale-grad-weight 0.2"     # the default since section 9
 for MBS in 4 2; do
   M=$((16 / MBS))
-  python -m paci_megatron.compare --reuse --schedules 1f1b,paci --seeds 1234,1235 \
+  python -m paci_megatron.compare --reuse --schedules 1f1b --seeds 1234,1235 \
       --nproc-per-node 4 --out "$OUT/m$M" \
-      --run paci-sync50="--pipeline-schedule paci --paci-sync-iters 50" \
-      --run paci-auto="--pipeline-schedule paci --paci-accumulation-factor auto" \
-      --run paci-sync50-auto="--pipeline-schedule paci --paci-sync-iters 50 --paci-accumulation-factor auto" \
+      --run paci-plain="$PLAIN" \
+      --run paci-plain-sync50="$PLAIN --paci-sync-iters 50" \
+      --run paci-plain-auto="$PLAIN --paci-accumulation-factor auto" \
+      --run paci-plain-sync50-auto="$PLAIN --paci-sync-iters 50 --paci-accumulation-factor auto" \
+      --run paci-w0.2="$W" \
+      --run paci-w0.2-sync50-auto="$W --paci-sync-iters 50 --paci-accumulation-factor auto" \
       -- "${COMMON[@]}" --micro-batch-size "$MBS"
 done

@@ -1,9 +1,10 @@
 """--paci-stale-grad-weight w: weigh each micro-batch's gradient by w ** drift at its stage.
 
 A micro-batch whose backward runs after its stage's step (drift d > 0) brings a gradient
-computed from activations of the previous weights; at large step sizes those gradients cost
-PACI most of its loss gap to 1F1B. Giving them less weight (and the fresh ones more, so that
-the step still applies a mean over a micro-batches) trades some of that error for noise.
+computed from activations of the previous weights, a stale gradient whose error grows with
+the step size. Giving them less weight (and the fresh ones more, so that the step still
+applies a mean over a micro-batches) trades some of that error for noise; it took about half
+of PACI's loss gap to 1F1B away where measured (benchmarks/README.md, sections 8 and 9).
 
 No copy of the gradient is needed because the schedule fixes the order: between two steps a
 stage runs its backwards in micro-batch order, and their forwards in the same order, so the
@@ -16,8 +17,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-# --pipeline-schedule paci's default (measured best, benchmarks/README.md section 9); 1 is the
-# paper's plain PACI
+# --pipeline-schedule paci's default (the measured best, benchmarks/README.md sections 8 and 9);
+# 1 is the paper's plain PACI
 DEFAULT_WEIGHT = 0.2
 
 

@@ -24,9 +24,9 @@ from megatron.core.utils import get_model_config, get_model_type
 from ..adapt import Adaptive, bound_in_call, staleness
 from ..autograd_versions import ZERO_CENTERED_GAMMA, keep_version_counters
 from ..executor import DriftStats, ReplayIterator, StageExecutor
-from ..stale_weights import StaleGradWeights
 from ..schedule import (Action, Op, StreamPlan, check_max_drift, check_per_call, drift_bound,
                         exchanges, plan_stream)
+from ..stale_weights import StaleGradWeights
 from . import param_gather
 from .tied import TiedEmbedding, shared_weight, tied_lag, tied_sha256
 
@@ -109,13 +109,13 @@ class MegatronHandlers:
         state = self.state
         closes_group = (mb + 1) % self.rt.plan.accumulation == 0
         self.finish_send_of(mb)  # long done: the next stage already sent this one's gradient
-        stale, weight = self.rt.stale, 1.0
+        stale, token_weight = self.rt.stale, 1.0
         if stale is not None:
             _mb, fwd_version, version = self.rt.drift.log[-1]  # the executor logged this one
-            weight = stale.weight_of(version - fwd_version)
+            token_weight = stale.weight_of(version - fwd_version)
             scale_grads(self.model, stale.before_backward(version - fwd_version))
         if self.rt.meta is not None:
-            self.rt.meta.before_backward(self.rt, state, mb, token_weight=weight)
+            self.rt.meta.before_backward(self.rt, state, mb, token_weight=token_weight)
         with self.rt.grad_sync(enabled=closes_group):
             grad = mcore_schedules.backward_step(
                 state.inputs.pop(mb, None), state.outputs.pop(mb), state.output_grads.pop(mb, None),
