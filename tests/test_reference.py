@@ -21,8 +21,10 @@ WORKER = "tests/workers/reference_cases.py"
 PP_ONLY = ["p2_a4", "p2_a2", "p2_bf16", "p2_distopt", "p2_drain_eval",
            "p4_a4", "p4_a1", "p4_bf16", "p4_recompute", "p4_eval_nodrain", "p4_drain_eval",
            "p4_auto", "p2_tied", "p2_tied_bf16", "p4_tied", "p4_stale", "p4_tied_stale"]
-PARALLEL = ["p2_dp2", "p2_dp2_distopt", "p2_tp2", "p2_dp2_tied", "p2_dp2_stale"]  # 2 emulator processes, 4 runtime ones
-PRECISION = ["p2_fp16", "p2_per_token", "p2_per_token_stale"]  # a loss scaler per stage; per-token loss
+# 2 emulator processes, 4 runtime ones
+PARALLEL = ["p2_dp2", "p2_dp2_distopt", "p2_tp2", "p2_dp2_tied", "p2_dp2_stale"]
+# a loss scaler per stage; per-token loss
+PRECISION = ["p2_fp16", "p2_per_token", "p2_per_token_stale"]
 RUNTIME_P2 = [c for c in PP_ONLY if c.startswith("p2")] + PRECISION
 RUNTIME_P4 = [c for c in PP_ONLY if c.startswith("p4")] + PARALLEL
 

@@ -263,8 +263,9 @@ class GradMeta:
 
     def divide_by_tokens(self, model, dp_cp_group) -> None:
         """What stock finalize_model_grads does with num_tokens, minus the pipeline broadcast."""
+        weighted = not isinstance(self.group_tokens, int)  # --paci-stale-grad-weight
         count = torch.tensor(self.group_tokens, device=self.device,
-                             dtype=torch.int if isinstance(self.group_tokens, int) else torch.float64)
+                             dtype=torch.float64 if weighted else torch.int)
         self.group_tokens = 0
         if dp_cp_group is not None and dp_cp_group.size() > 1:
             torch.distributed.all_reduce(count, group=dp_cp_group)
