@@ -72,7 +72,7 @@ CASES: Dict[str, Dict] = {
     "p4_tied_stale": dict(pp=4, a=2, calls=6, tied=True, drain_after=(3,), eval_after=(2, 4),
                           stale_weight=0.5),
     "p2_dp2_stale": dict(pp=2, dp=2, a=2, dropout=0.1, stale_weight=0.5),
-    "p2_per_token_stale": dict(pp=2, a=2, calls=4, per_token=True, stale_weight=0.5),
+    "p2_per_token_stale": dict(pp=2, a=2, calls=4, per_token=True, dropout=0.1, stale_weight=0.5),
 }
 
 
