@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-# --pipeline-schedule paci's default (the measured best, benchmarks/README.md sections 8 and 9);
+# --pipeline-schedule paci's default (the best weight tried, benchmarks/README.md sections 8-10);
 # 1 is the paper's plain PACI
 DEFAULT_WEIGHT = 0.2
 
@@ -30,6 +30,8 @@ def resolve_weight(weight: Optional[float], schedule: str) -> float:
 
 
 class StaleGradWeights:
+    """One stage's bookkeeping for the group of backwards its next step applies."""
+
     def __init__(self, weight: float):
         if not 0.0 < weight <= 1.0:
             raise ValueError(f"--paci-stale-grad-weight must be in (0, 1], got {weight}")
