@@ -3,8 +3,9 @@
 A micro-batch whose backward runs after its stage's step (drift d > 0) brings a gradient
 computed from activations of the previous weights, a stale gradient whose error grows with
 the step size. Giving them less weight (and the fresh ones more, so that the step still
-applies a mean over a micro-batches) trades some of that error for noise; it took about half
-of PACI's loss gap to 1F1B away where measured (benchmarks/README.md, sections 8 and 9).
+applies a mean over a micro-batches) trades some of that error for noise; at LR 2e-3 it took
+about half of PACI's loss gap to 1F1B away, at 1e-3 its gain was within the seed spread
+(benchmarks/README.md, sections 8-10).
 
 No copy of the gradient is needed because the schedule fixes the order: between two steps a
 stage runs its backwards in micro-batch order, and their forwards in the same order, so the
