@@ -6,8 +6,6 @@ Each case writes DIR/CASE.rank<R>.json; the pytest side asserts on them. Several
 one launch (importing Megatron costs seconds), re-initialising the parallel layout per case.
 """
 
-import argparse
-import faulthandler
 import hashlib
 import json
 import os
@@ -19,6 +17,8 @@ import torch
 from paci_megatron.mcore import build
 from paci_megatron.mcore.runtime import PaciRuntime, get_forward_backward_func
 from paci_megatron.schedule import drift_bound
+
+from case_args import parse_case_args  # same folder: the script's own
 
 MBS = 2
 
@@ -313,14 +313,7 @@ CASES = {
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("cases", nargs="+", choices=sorted(CASES))
-    args = parser.parse_args()
-    # a hang prints every thread's stack and exits non-zero instead of waiting for the test timeout
-    faulthandler.dump_traceback_later(
-        float(os.environ.get("PACI_TEST_HANG_S", "240")) + int(os.environ.get("RANK", "0")), exit=True)
-    os.makedirs(args.out, exist_ok=True)
+    args = parse_case_args(CASES)
     # the default process group lives for the whole launch (re-creating it under torchrun
     # reuses the agent's store keys); each case re-initialises only Megatron's groups
     for case in args.cases:

@@ -5,9 +5,6 @@
 Each case writes DIR/CASE.rank<R>.json; tests/test_fp16_per_token.py asserts on them.
 """
 
-import argparse
-import faulthandler
-import os
 import sys
 
 import torch
@@ -16,6 +13,7 @@ from paci_megatron.mcore import build
 from paci_megatron.mcore.runtime import GradMeta
 import paci_cases  # same folder: the script's own
 from paci_cases import MBS, digest, finish, make_runtime
+from case_args import parse_case_args
 
 
 def setup(*, fp16=False, per_token=False, pp=2, seed=1234, lr=2e-3, scale=2.0 ** 12,
@@ -170,14 +168,7 @@ CASES = {
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("cases", nargs="+", choices=sorted(CASES))
-    args = parser.parse_args()
-    faulthandler.dump_traceback_later(
-        float(os.environ.get("PACI_TEST_HANG_S", "240")) + int(os.environ.get("RANK", "0")),
-        exit=True)
-    os.makedirs(args.out, exist_ok=True)
+    args = parse_case_args(CASES)
     for case in args.cases:
         CASES[case](args.out, case)
     build.destroy_distributed()

@@ -10,9 +10,7 @@ every micro-batch loss and, per local step, the grad norm, LR and a SHA-256 of t
 weights; the pytest side compares the two modes.
 """
 
-import argparse
 import dataclasses
-import faulthandler
 import json
 import os
 import sys
@@ -26,6 +24,8 @@ from paci_megatron.mcore.reference import (PipelineEmulator, StageParts, audit_b
                                             weights_sha256)
 from paci_megatron.mcore.runtime import PaciRuntime, get_forward_backward_func
 from paci_megatron.mcore.tied import tied_sha256
+
+from case_args import parse_case_args  # same folder: the script's own
 
 MBS = 2
 SEED = 1234
@@ -210,15 +210,8 @@ def _write(out_dir: str, case: str, mode: str, info: Dict, result: Dict) -> None
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--mode", choices=("runtime", "emulator"), required=True)
-    parser.add_argument("cases", nargs="+", choices=sorted(CASES))
-    args = parser.parse_args()
-    faulthandler.dump_traceback_later(
-        float(os.environ.get("PACI_TEST_HANG_S", "240")) + int(os.environ.get("RANK", "0")),
-        exit=True)
-    os.makedirs(args.out, exist_ok=True)
+    args = parse_case_args(CASES, lambda parser: parser.add_argument(
+        "--mode", choices=("runtime", "emulator"), required=True))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     run = run_runtime if args.mode == "runtime" else run_emulator
     for case in args.cases:
