@@ -10,6 +10,7 @@ from typing import List, Optional, Sequence
 
 from .quiet import is_local_rank0
 from .registry import SCHEDULES, ScheduleOptions
+from .stale_correction import DEFAULT_STRENGTH, resolve_strength
 from .stale_weights import DEFAULT_WEIGHT, resolve_weight
 
 
@@ -265,6 +266,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "drift there), renormalised so each step still applies a mean over a "
                         f"micro-batches; 0 < W <= 1 (default {DEFAULT_WEIGHT:g}; 1: the "
                         "paper's plain PACI)")
+    g.add_argument("--paci-stale-grad-correction", type=_non_negative_float(
+        "--paci-stale-grad-correction"), default=None, metavar="C",
+                   help="correct each stage's gradient for its stale micro-batches to first "
+                        "order: g -= C x mean drift x (lr / peak lr) x the optimizer's first "
+                        "moment, before each local step (default "
+                        f"{DEFAULT_STRENGTH:g}; 0: off, the paper's plain PACI)")
     g.add_argument("--paci-on-nonfinite", choices=["skip", "abort"], default="skip",
                    help="a NaN/Inf gradient at a stage's step: skip that update (and count it) "
                         "or stop the job")
@@ -358,11 +365,14 @@ def validate(args: argparse.Namespace, world_size: int) -> ScheduleOptions:
         drift_lr_damping=args.paci_drift_lr_damping,
         drift_lr_anneal_iters=args.paci_drift_lr_anneal_iters,
         stale_grad_weight=resolve_weight(args.paci_stale_grad_weight, args.pipeline_schedule),
+        stale_grad_correction=resolve_strength(args.paci_stale_grad_correction,
+                                               args.pipeline_schedule),
         adapt_interval=adapt_interval, adapt_tolerance=args.paci_adapt_tolerance,
         adapt_policy=args.paci_adapt_policy or "staleness",
     )
     _check_drift_lr_flags(args)
     _check_stale_grad_weight(args)
+    _check_stale_grad_correction(args)
     if args.paci_sync_iters and args.pipeline_schedule != "paci":
         raise ConfigError(f"--paci-sync-iters {args.paci_sync_iters} only applies to "
                           "--pipeline-schedule paci; drop it")
@@ -390,6 +400,13 @@ def _check_stale_grad_weight(args) -> None:
         raise ConfigError(f"--paci-stale-grad-weight {weight:g} must be in (0, 1] (1: plain PACI)")
     if weight != 1.0 and args.pipeline_schedule != "paci":
         raise ConfigError(f"--paci-stale-grad-weight {weight:g} only applies to "
+                          "--pipeline-schedule paci; drop it")
+
+
+def _check_stale_grad_correction(args) -> None:
+    strength = args.paci_stale_grad_correction
+    if strength and args.pipeline_schedule != "paci":
+        raise ConfigError(f"--paci-stale-grad-correction {strength:g} only applies to "
                           "--pipeline-schedule paci; drop it")
 
 

@@ -142,7 +142,8 @@ NOT_FOR_TIMING = ("--num-layers", "--pipeline-model-parallel-size", "--pipeline-
                   "--metrics-file", "--tensorboard-dir", "--exit-interval", "--save-interval",
                   "--save-interval-minutes", "--paci-accumulation-factor", "--paci-max-drift",
                   "--paci-sync-iters", "--paci-on-nonfinite", "--paci-drift-lr-damping",
-                  "--paci-drift-lr-anneal-iters", "--paci-stale-grad-weight", "--eval-interval")
+                  "--paci-drift-lr-anneal-iters", "--paci-stale-grad-weight",
+                  "--paci-stale-grad-correction", "--eval-interval")
 SWITCHES_NOT_FOR_TIMING = ("--paci-drain-before-eval", "--measure-memory",
                            "--measure-activation-memory", "--override-opt_param-scheduler",
                            "--use-checkpoint-opt_param-scheduler")

@@ -25,6 +25,7 @@ class ScheduleOptions:
     drift_lr_damping: float = 0.0  # --paci-drift-lr-damping C
     drift_lr_anneal_iters: int = 0  # --paci-drift-lr-anneal-iters N
     stale_grad_weight: float = 1.0  # --paci-stale-grad-weight W
+    stale_grad_correction: float = 0.0  # --paci-stale-grad-correction C
     # --paci-accumulation-factor auto: decide every adapt_interval iterations (0: fixed a)
     adapt_interval: int = 0
     adapt_tolerance: float = 0.0
@@ -103,7 +104,8 @@ def _make_paci(opts: ScheduleOptions):
                        on_nonfinite=opts.on_nonfinite, sync_calls=opts.sync_iters,
                        drift_lr_damping=opts.drift_lr_damping,
                        drift_lr_anneal_iters=opts.drift_lr_anneal_iters,
-                       adaptive=adaptive, stale_grad_weight=opts.stale_grad_weight)
+                       adaptive=adaptive, stale_grad_weight=opts.stale_grad_weight,
+                       stale_grad_correction=opts.stale_grad_correction)
 
 
 def default_registry() -> ScheduleRegistry:

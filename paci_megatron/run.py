@@ -56,7 +56,8 @@ def validate_flags(args: argparse.Namespace) -> None:
     paci_flags = [flag for flag, value in (
         ("--paci-accumulation-factor", args.paci_accumulation_factor),
         ("--paci-max-drift", args.paci_max_drift),
-        ("--paci-stale-grad-weight", args.paci_stale_grad_weight)) if value is not None]
+        ("--paci-stale-grad-weight", args.paci_stale_grad_weight),
+        ("--paci-stale-grad-correction", args.paci_stale_grad_correction)) if value is not None]
     if schedule != "paci" and paci_flags:
         verb = "apply" if len(paci_flags) > 1 else "applies"
         raise ValueError(f"{', '.join(paci_flags)} only {verb} to --pipeline-schedule paci "
@@ -95,6 +96,7 @@ def validate_flags(args: argparse.Namespace) -> None:
                          "loss scale); use --bf16, or add --untie-embeddings-and-output-weights")
     check_rampup(args)
     check_stale_grad_weight(args)
+    check_stale_grad_correction(args)
     rerun_mode = getattr(args, "rerun_mode", "disabled")
     if rerun_mode not in ("disabled", "validate_results"):
         raise ValueError(f"--pipeline-schedule paci cannot re-run iterations (micro-batches stay "
@@ -110,6 +112,13 @@ def check_stale_grad_weight(args: argparse.Namespace) -> None:
         return
     if not 0.0 < weight <= 1.0:
         raise ValueError(f"--paci-stale-grad-weight {weight:g} must be in (0, 1] (1: plain PACI)")
+
+
+def check_stale_grad_correction(args: argparse.Namespace) -> None:
+    strength = args.paci_stale_grad_correction
+    if strength is not None and not 0.0 <= strength < float("inf"):
+        raise ValueError(f"--paci-stale-grad-correction {strength:g} must be a finite number "
+                         ">= 0 (0: off, plain PACI)")
 
 
 def check_rampup(args: argparse.Namespace) -> None:
@@ -170,6 +179,7 @@ def make_runtime(margs, num_microbatches: int):
     """The PACI runtime for Megatron-LM's parsed args (process groups exist by now)."""
     from .mcore.checkpoint import writer_queue_dies_with_this_process
     from .registry import SCHEDULES, ScheduleOptions
+    from .stale_correction import resolve_strength
     from .stale_weights import resolve_weight
 
     # a worker killed under torchrun --max-restarts must not leave Megatron's checkpoint
@@ -183,7 +193,8 @@ def make_runtime(margs, num_microbatches: int):
         num_microbatches=num_microbatches, accumulation=accumulation,
         max_drift=margs.paci_max_drift, micro_batch_size=margs.micro_batch_size,
         data_parallel_size=margs.data_parallel_size, on_nonfinite=margs.paci_on_nonfinite,
-        stale_grad_weight=resolve_weight(margs.paci_stale_grad_weight, "paci"))
+        stale_grad_weight=resolve_weight(margs.paci_stale_grad_weight, "paci"),
+        stale_grad_correction=resolve_strength(margs.paci_stale_grad_correction, "paci"))
     entry = SCHEDULES.get("paci")
     try:
         entry.check(opts)
@@ -196,7 +207,9 @@ def make_runtime(margs, num_microbatches: int):
         print(f"> PACI: accumulation factor {accumulation} of {num_microbatches} micro-batches "
               f"per iteration ({num_microbatches // accumulation} local steps per stage and "
               f"iteration), {margs.pipeline_model_parallel_size} stages, stale gradients "
-              f"weighted {opts.stale_grad_weight:g} ** drift", flush=True)
+              f"weighted {opts.stale_grad_weight:g} ** drift"
+              + (f", corrected with the momentum (C={opts.stale_grad_correction:g})"
+                 if opts.stale_grad_correction else ""), flush=True)
     return runtime
 
 

@@ -494,7 +494,9 @@ def train(args, opts: ScheduleOptions) -> Dict:
                  f" fading out over {opts.drift_lr_anneal_iters} iterations"
                  if opts.drift_lr_anneal_iters else "") if opts.drift_lr_damping else "")
              + (f", stale gradients weighted {opts.stale_grad_weight:g} ** drift"
-                if opts.stale_grad_weight != 1.0 else ""))
+                if opts.stale_grad_weight != 1.0 else "")
+             + (f", stale gradients corrected with the momentum, C={opts.stale_grad_correction:g}"
+                if opts.stale_grad_correction else ""))
     t_last = time.perf_counter()
     since_log = 0
     while job.iteration < args.train_iters:

@@ -68,7 +68,8 @@ def test_paci_flags_default_to_stock():
 
 def _megatron_args(**overrides):
     base = dict(pipeline_schedule="paci", paci_accumulation_factor=None, paci_max_drift=None,
-                paci_stale_grad_weight=None, num_layers_per_virtual_pipeline_stage=None,
+                paci_stale_grad_weight=None, paci_stale_grad_correction=None,
+                num_layers_per_virtual_pipeline_stage=None,
                 num_virtual_stages_per_pipeline_rank=None, pipeline_model_parallel_size=2,
                 untie_embeddings_and_output_weights=True, rampup_batch_size=None,
                 overlap_param_gather=False, rerun_mode="validate_results",

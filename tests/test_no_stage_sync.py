@@ -59,7 +59,8 @@ def _megatron_args(**overrides):
                 overlap_param_gather=False, rerun_mode="validate_results",
                 calculate_per_token_loss=False, timing_log_level=0, exit_duration_in_mins=None,
                 exit_signal_handler=False, mtp_num_layers=None, num_experts=None,
-                log_params_norm=False, paci_stale_grad_weight=None)
+                log_params_norm=False, paci_stale_grad_weight=None,
+                paci_stale_grad_correction=None)
     base.update(overrides)
     return types.SimpleNamespace(**base)
 

@@ -20,11 +20,13 @@ pytestmark = pytest.mark.dist
 WORKER = "tests/workers/reference_cases.py"
 PP_ONLY = ["p2_a4", "p2_a2", "p2_bf16", "p2_distopt", "p2_drain_eval",
            "p4_a4", "p4_a1", "p4_bf16", "p4_recompute", "p4_eval_nodrain", "p4_drain_eval",
-           "p4_auto", "p2_tied", "p2_tied_bf16", "p4_tied", "p4_stale", "p4_tied_stale"]
+           "p4_auto", "p2_tied", "p2_tied_bf16", "p4_tied", "p4_stale", "p4_tied_stale",
+           "p4_correct"]
 # 2 emulator processes, 4 runtime ones
-PARALLEL = ["p2_dp2", "p2_dp2_distopt", "p2_tp2", "p2_dp2_tied", "p2_dp2_stale"]
+PARALLEL = ["p2_dp2", "p2_dp2_distopt", "p2_tp2", "p2_dp2_tied", "p2_dp2_stale",
+            "p2_dp2_distopt_correct"]
 # a loss scaler per stage; per-token loss
-PRECISION = ["p2_fp16", "p2_per_token", "p2_per_token_stale"]
+PRECISION = ["p2_fp16", "p2_per_token", "p2_per_token_stale", "p2_fp16_correct"]
 RUNTIME_P2 = [c for c in PP_ONLY if c.startswith("p2")] + PRECISION
 RUNTIME_P4 = [c for c in PP_ONLY if c.startswith("p4")] + PARALLEL
 
@@ -166,3 +168,20 @@ def test_stale_gradient_weights_change_only_the_stages_with_drift(case, twin, re
     last = f"pp{cfg['pp'] - 1}tp0dp0"
     # the first step of the last stage sees the same inputs as unweighted (nothing stale yet)
     assert weighted[last]["steps"][0] == plain[last]["steps"][0]
+
+
+@pytest.mark.parametrize("case,twin", [("p4_correct", "p4_drain_eval"),
+                                       ("p2_fp16_correct", "p2_fp16")])
+def test_stale_gradient_correction_changes_only_steps_with_drift(case, twin, results):
+    """The twin is the same run uncorrected. Every stage's first step sees no stale
+    micro-batch, so it is the twin's; stage 0 departs from its first stale group on. The last
+    stage never has drift: it departs only through what its inputs became."""
+    corrected, plain = results(case, "runtime"), results(twin, "runtime")
+    cfg = corrected["pp0tp0dp0"]["config"]
+    first, twin_first = corrected["pp0tp0dp0"]["steps"], plain["pp0tp0dp0"]["steps"]
+    assert first[0] == twin_first[0]
+    assert [s["weights"] for s in first[1:]] != [s["weights"] for s in twin_first[1:]]
+    last = f"pp{cfg['pp'] - 1}tp0dp0"
+    assert corrected[last]["steps"][0] == plain[last]["steps"][0]
+    assert corrected[last]["histogram"] == plain[last]["histogram"] == {
+        "0": len(corrected[last]["steps"]) * cfg["a"]}

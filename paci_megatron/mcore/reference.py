@@ -136,6 +136,7 @@ class _Stage:
     meta_out: Dict[int, tuple] = field(default_factory=dict)
     group_tokens: int = 0
     group_drifts: List[int] = field(default_factory=list)  # since the step, in order
+    step_drifts: List[int] = field(default_factory=list)  # the same, for the correction
 
 
 class TiedState:
@@ -178,9 +179,10 @@ class PipelineEmulator:
                  seq_length: int, build_stage: Callable[[int], StageParts], seed: int = 1234,
                  kind: str = "paci", lr_increment: Optional[int] = None,
                  forward_step_func: Callable = build.gpt_forward_step,
-                 stale_grad_weight: float = 1.0):
+                 stale_grad_weight: float = 1.0, stale_grad_correction: float = 0.0):
         self.num_stages, self.accumulation, self.kind = num_stages, accumulation, kind
         self.stale_grad_weight = stale_grad_weight  # --paci-stale-grad-weight W
+        self.stale_grad_correction = stale_grad_correction  # --paci-stale-grad-correction C
         self.micro_batch_size, self.seq_length = micro_batch_size, seq_length
         self.forward_step_func = forward_step_func
         dp = parallel_state.get_data_parallel_world_size()
@@ -247,6 +249,7 @@ class PipelineEmulator:
         model = stage.parts.model
         drift = stage.version - stage.fwd_version.pop(mb)
         stage.drift[drift] = stage.drift.get(drift, 0) + 1
+        stage.step_drifts.append(drift)
         closes_group = (mb + 1) % self.accumulation == 0
         sync = contextlib.nullcontext() if closes_group else model.no_sync()
         scale = float(stage.parts.optimizer.get_loss_scale())  # 1 without a loss scaler
@@ -324,7 +327,7 @@ class PipelineEmulator:
         if tied is not None and stage.index > 0 and tied.last_steps < self.tied_lag:
             undo = tied.last_main.detach().clone()
         with keep_version_counters(list(model.parameters())):
-            ok, grad_norm, _ = optimizer.step()
+            ok, grad_norm = self._optimizer_step(stage)
         if tied is not None and stage.index == 0:
             tied.weights.append(tied.owner_main.detach().clone())
         elif tied is not None:  # the last stage follows the owner tied_lag steps late
@@ -343,6 +346,33 @@ class PipelineEmulator:
         lr = optimizer.param_groups[0]["lr"] if scheduler is not None else None
         stage.steps.append(StepLog(mb, bool(ok), None if grad_norm is None else float(grad_norm),
                                    lr, weights_sha256([model])))
+
+    def _optimizer_step(self, stage: _Stage) -> tuple:
+        """Megatron's optimizer step; with --paci-stale-grad-correction C its parts spelled
+        out, the gradients corrected between the clipping and the inner step:
+        g -= C x (weighted mean drift of the group) x (lr / peak lr) x Adam's exp_avg."""
+        optimizer, scheduler = stage.parts.optimizer, stage.parts.lr_scheduler
+        drifts, stage.step_drifts = stage.step_drifts, []
+        w = self.stale_grad_weight
+        weights = [w ** d for d in drifts]
+        if not self.stale_grad_correction or not any(drifts):
+            ok, grad_norm, _ = optimizer.step()
+            return ok, grad_norm
+        mean_drift = sum(wi * d for wi, d in zip(weights, drifts)) / sum(weights)
+        if optimizer.prepare_grads():  # unscaled; True: a NaN/Inf (fp16 overflow), no step
+            return False, None
+        clip = optimizer.config.clip_grad
+        grad_norm = optimizer.clip_grad_norm(clip) if clip > 0.0 else None
+        inner = optimizer.optimizer
+        for group in inner.param_groups:
+            peak = group.get("max_lr", scheduler.max_lr if scheduler is not None else None)
+            ratio = group["lr"] / peak if peak else 1.0
+            for param in group["params"]:
+                moment = inner.state.get(param, {}).get("exp_avg")
+                if moment is not None and param.grad is not None:
+                    param.grad.add_(moment, alpha=-(self.stale_grad_correction * mean_drift
+                                                    * ratio))
+        return optimizer.step_with_ready_grads(), grad_norm
 
     # calls, like Megatron's forward-backward function -----------------------------------------
     def set_accumulation(self, accumulation: int) -> None:

@@ -26,6 +26,7 @@ from ..autograd_versions import ZERO_CENTERED_GAMMA, keep_version_counters
 from ..executor import DriftStats, ReplayIterator, StageExecutor
 from ..schedule import (Action, Op, StreamPlan, check_max_drift, check_per_call, drift_bound,
                         exchanges, plan_stream)
+from ..stale_correction import StaleGradCorrection
 from ..stale_weights import StaleGradWeights
 from . import param_gather
 from .tied import TiedEmbedding, shared_weight, tied_lag, tied_sha256
@@ -110,10 +111,12 @@ class MegatronHandlers:
         closes_group = (mb + 1) % self.rt.plan.accumulation == 0
         self.finish_send_of(mb)  # long done: the next stage already sent this one's gradient
         stale, token_weight = self.rt.stale, 1.0
+        _mb, fwd_version, version = self.rt.drift.log[-1]  # the executor logged this one
         if stale is not None:
-            _mb, fwd_version, version = self.rt.drift.log[-1]  # the executor logged this one
             token_weight = stale.weight_of(version - fwd_version)
             scale_grads(self.model, stale.before_backward(version - fwd_version))
+        if self.rt.correction is not None:
+            self.rt.correction.add(version - fwd_version)
         if self.rt.meta is not None:
             self.rt.meta.before_backward(self.rt, state, mb, token_weight=token_weight)
         with self.rt.grad_sync(enabled=closes_group):
@@ -456,6 +459,61 @@ def scaled_lr(optimizer, factor: float):
             g["lr"] = lr
 
 
+def first_moment(inner, param) -> Optional[torch.Tensor]:
+    """The optimizer's momentum of ``param`` in the gradient's units, None before its first
+    step: Adam's exp_avg, SGD's momentum_buffer (TE's FusedAdam may keep it scaled)."""
+    state = inner.state.get(param)
+    if not state:
+        return None
+    if "exp_avg" in state:
+        m = state["exp_avg"]
+        if m.dtype != param.grad.dtype and hasattr(inner, "get_unscaled_state"):
+            m = inner.get_unscaled_state(param, "exp_avg")
+        return m
+    return state.get("momentum_buffer")
+
+
+def subtract_momentum(inner, coefficient: float, max_lr: Optional[float]) -> None:
+    """--paci-stale-grad-correction: g -= coefficient x (lr / peak lr) x m, per param group
+    (stale_correction.py says why)."""
+    for group in inner.param_groups:
+        peak = group.get("max_lr", max_lr)
+        kappa = coefficient * (group["lr"] / peak if peak else 1.0)
+        for param in group["params"]:
+            m = None if param.grad is None else first_moment(inner, param)
+            if m is not None:
+                param.grad.sub_(m.to(param.grad.dtype), alpha=kappa)
+
+
+@contextlib.contextmanager
+def momentum_corrected(optimizer, coefficient: float, max_lr: Optional[float]):
+    """Correct the gradients inside ``optimizer.step()``, right before each inner step: after
+    Megatron unscaled, checked and clipped them, and only if it steps at all."""
+    if not coefficient:
+        yield
+        return
+    inners = [opt.optimizer for opt in _sub_optimizers(optimizer)
+              if getattr(opt, "optimizer", None) is not None]
+
+    def corrected(inner, step):
+        def run(*args, **kwargs):
+            subtract_momentum(inner, coefficient, max_lr)
+            return step(*args, **kwargs)
+        return run
+
+    own = [inner.__dict__.get("step") for inner in inners]  # an instance's own step, if any
+    for inner in inners:
+        inner.step = corrected(inner, inner.step)  # shadows the class's step for this call
+    try:
+        yield
+    finally:
+        for inner, step in zip(inners, own):
+            if step is None:
+                del inner.step
+            else:
+                inner.step = step
+
+
 class PaciRuntime:
     """Keeps one never-flushing pipeline stream across forward-backward calls.
 
@@ -468,7 +526,8 @@ class PaciRuntime:
     def __init__(self, *, accumulation: int, kind: str = "paci", max_drift: Optional[int] = None,
                  on_nonfinite: str = "skip", sync_calls: int = 0,
                  drift_lr_damping: float = 0.0, drift_lr_anneal_iters: int = 0,
-                 adaptive: Optional[Adaptive] = None, stale_grad_weight: float = 1.0):
+                 adaptive: Optional[Adaptive] = None, stale_grad_weight: float = 1.0,
+                 stale_grad_correction: float = 0.0):
         if kind not in ("paci", "flush"):
             raise ValueError(f"unknown runtime kind {kind!r}")
         self.kind = kind
@@ -523,6 +582,9 @@ class PaciRuntime:
         # --paci-stale-grad-weight: None leaves gradients as plain PACI sums them
         self.stale = (StaleGradWeights(stale_grad_weight)
                       if kind == "paci" and stale_grad_weight != 1.0 else None)
+        # --paci-stale-grad-correction: None leaves the optimizer's gradients as they are
+        self.correction = (StaleGradCorrection(stale_grad_correction, stale_grad_weight)
+                           if kind == "paci" and stale_grad_correction else None)
 
     # wiring ----------------------------------------------------------------------------------
     def bind(self, optimizer, lr_scheduler=None, lr_increment: Optional[int] = None) -> None:
@@ -607,13 +669,15 @@ class PaciRuntime:
         tied = self.tied
         self._finish_grads(model)
         factor = self.lr_factor_now()
+        coefficient = self.correction.take() if self.correction is not None else 0.0
         # fp16: the loss scaler checks for overflow (over the stage's grad-stats group), skips
         # and backs off, as stock; an overflow is routine there, not an error
         scaler = self.meta is not None and self.meta.fp16
         if scaler or grads_are_finite(model, stage_grad_stats_group(self.optimizer)):
             if self._change is not None:
                 self._change.before(self._params)
-            with self._keep_versions_if_in_flight(), scaled_lr(self.optimizer, factor):
+            with self._keep_versions_if_in_flight(), scaled_lr(self.optimizer, factor), \
+                    momentum_corrected(self.optimizer, coefficient, self._max_lr()):
                 ok, grad_norm, _zeros = self.optimizer.step()
             if scaler and not ok:
                 self.skipped_steps += 1
@@ -639,6 +703,9 @@ class PaciRuntime:
         self._loss_scale = None  # the scaler may have grown or backed off
         self.steps.append(StepRecord(mb, bool(ok), None if grad_norm is None else float(grad_norm), lr,
                                      factor))
+
+    def _max_lr(self) -> Optional[float]:
+        return getattr(self.lr_scheduler, "max_lr", None)
 
     def _finish_grads(self, model) -> None:
         """Weigh the group's gradients (--paci-stale-grad-weight), add the tied output-layer

@@ -35,7 +35,7 @@ SEED = 1234
 BASE = dict(tp=1, dp=1, a=4, n=4, calls=5, dropout=0.0, bf16=False, recompute=False,
             dist_opt=False, clip=0.3, layers=4, drain_after=None, eval_after=None,
             audit=False, factors=None, tied=False,
-            fp16=False, per_token=False, stale_weight=1.0)
+            fp16=False, per_token=False, stale_weight=1.0, correction=0.0)
 CASES: Dict[str, Dict] = {
     "p2_a4": dict(pp=2, dropout=0.1),
     "p2_a2": dict(pp=2, a=2, n=8, calls=4),
@@ -73,6 +73,14 @@ CASES: Dict[str, Dict] = {
                           stale_weight=0.5),
     "p2_dp2_stale": dict(pp=2, dp=2, a=2, dropout=0.1, stale_weight=0.5),
     "p2_per_token_stale": dict(pp=2, a=2, calls=4, per_token=True, dropout=0.1, stale_weight=0.5),
+    # --paci-stale-grad-correction: unweighted drifts during the warm-up, with a drain and an
+    # evaluation (p4_drain_eval's twin); weighted drifts with the distributed optimizer (sharded
+    # moments, data-parallel reduction first); fp16 (unscaled first, overflow steps skipped)
+    "p4_correct": dict(pp=4, a=4, n=8, calls=4, drain_after=(2,), eval_after=(2,),
+                       correction=4.0),
+    "p2_dp2_distopt_correct": dict(pp=2, dp=2, a=2, dist_opt=True, dropout=0.1,
+                                   stale_weight=0.5, correction=4.0),
+    "p2_fp16_correct": dict(pp=2, a=2, calls=6, fp16=True, correction=4.0),
 }
 
 
@@ -138,7 +146,8 @@ def run_runtime(case: str, out_dir: str) -> None:
     adaptive = Adaptive(cfg["pp"], cfg["n"], candidates(cfg["pp"], cfg["n"], None), interval=1,
                         tolerance=0.0, policy="cycle") if cfg["factors"] else None
     rt = PaciRuntime(kind="paci", accumulation=cfg["a"], adaptive=adaptive,
-                     stale_grad_weight=cfg["stale_weight"])
+                     stale_grad_weight=cfg["stale_weight"],
+                     stale_grad_correction=cfg["correction"])
     rt.bind(parts.optimizer, parts.lr_scheduler, lr_increment=cfg["a"] * MBS * info["dp_size"])
     steps: List[Dict] = []
     local_step = rt.local_step
@@ -178,7 +187,8 @@ def run_emulator(case: str, out_dir: str) -> None:
     info = build.init_distributed(tp=cfg["tp"], pp=1, seed=SEED, timeout_s=120)
     emu = PipelineEmulator(num_stages=cfg["pp"], accumulation=cfg["a"], micro_batch_size=MBS,
                            seq_length=16, build_stage=lambda s: build_parts(cfg), seed=SEED,
-                           stale_grad_weight=cfg["stale_weight"])
+                           stale_grad_weight=cfg["stale_weight"],
+                           stale_grad_correction=cfg["correction"])
     audits = {s: audit_backward(emu, s) for s in range(cfg["pp"])} if cfg["audit"] else {}
     losses: List[str] = []
     for call in range(cfg["calls"]):

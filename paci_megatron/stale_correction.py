@@ -1,0 +1,62 @@
+"""--paci-stale-grad-correction C: correct stale gradients to first order with the momentum.
+
+A micro-batch with drift d at a stage brings a gradient taken d local steps back,
+g(theta - d * delta), delta the stage's latest update. To first order
+g(theta) = g_stale + d * H * delta. Adam's update is delta = -lr * P * m (P its preconditioner
+1 / (sqrt(v) + eps), m its first moment), so g(theta) ~ g_stale - d * (lr * H * P) * m. The
+preconditioned curvature lr * H * P is unknown; taking it as one constant C at the peak LR, and
+proportional to the LR elsewhere, the stage corrects the mean gradient of a step by
+
+    g <- g - C * mean drift * (lr / peak lr) * m
+
+just before its optimizer's inner step (after unscaling and clipping, so that g and m are in the
+same units). Nothing is copied and nothing is sent: m is the optimizer's own state, the drift is
+measured. A stage whose step has no stale micro-batch (the last stage, any flush) is untouched.
+Seen from Adam, the correction lowers a stage's momentum in proportion to its drift: stale
+gradients add momentum of their own (benchmarks/README.md, section 11).
+
+Torch-free: the runtime applies the coefficient; the one-process emulator computes its own.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+# --pipeline-schedule paci's default (benchmarks/README.md, section 11); 0 turns it off
+DEFAULT_STRENGTH = 0.0
+
+
+def resolve_strength(strength: Optional[float], schedule: str) -> float:
+    """The strength in force: the flag's value, else the default for PACI (0 for the others)."""
+    if strength is not None:
+        return strength
+    return DEFAULT_STRENGTH if schedule == "paci" else 0.0
+
+
+def check_strength(strength: float) -> None:
+    if not strength >= 0.0 or strength == float("inf"):
+        raise ValueError(f"--paci-stale-grad-correction must be a finite number >= 0, "
+                         f"got {strength}")
+
+
+class StaleGradCorrection:
+    """One stage's drifts of the group of backwards its next step applies."""
+
+    def __init__(self, strength: float, weight: float = 1.0):
+        check_strength(strength)
+        self.strength = strength
+        self.weight = weight  # --paci-stale-grad-weight: the drifts are weighted as the grads
+        self._drifts: List[int] = []
+
+    def add(self, drift: int) -> None:
+        self._drifts.append(drift)
+
+    def take(self) -> float:
+        """C x the group's (weighted) mean drift, the coefficient at the peak LR; resets the
+        group. Zero for a group without stale micro-batches."""
+        drifts, self._drifts = self._drifts, []
+        if not drifts or not any(drifts):
+            return 0.0
+        weights = [self.weight ** d for d in drifts]
+        mean = sum(w * d for w, d in zip(weights, drifts)) / sum(weights)
+        return self.strength * mean

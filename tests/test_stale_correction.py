@@ -1,0 +1,135 @@
+"""--paci-stale-grad-correction C: the coefficient, the in-step correction, the flags.
+
+That the multi-process runtime applies exactly g -= C x mean drift x (lr / peak) x exp_avg is
+checked bit for bit against the emulator's own spelling of it (tests/test_reference.py, the
+``*_correct`` cases); here the pieces are checked alone.
+"""
+
+import re
+
+import pytest
+import torch
+
+from paci_megatron.stale_correction import StaleGradCorrection, resolve_strength
+
+
+def test_the_coefficient_is_the_strength_times_the_weighted_mean_drift():
+    corr = StaleGradCorrection(4.0)
+    for d in (1, 1, 1, 0):
+        corr.add(d)
+    assert corr.take() == 4.0 * 0.75
+    weighted = StaleGradCorrection(4.0, weight=0.5)
+    for d in (2, 1, 0, 0):
+        weighted.add(d)
+    # weights 0.25, 0.5, 1, 1: (0.5 + 0.5) / 2.75
+    assert weighted.take() == pytest.approx(4.0 * 1.0 / 2.75, rel=1e-15)
+
+
+def test_a_group_without_drift_is_not_corrected_and_take_resets():
+    corr = StaleGradCorrection(8.0)
+    assert corr.take() == 0.0  # no backward yet
+    for d in (0, 0, 0):
+        corr.add(d)
+    assert corr.take() == 0.0
+    corr.add(1)
+    assert corr.take() == 8.0
+    assert corr.take() == 0.0  # the group was reset
+
+
+@pytest.mark.parametrize("strength", [-1.0, float("nan"), float("inf")])
+def test_bad_strengths_are_refused(strength):
+    with pytest.raises(ValueError, match="--paci-stale-grad-correction"):
+        StaleGradCorrection(strength)
+
+
+class _Wrapper:
+    """What Megatron's optimizer does around its inner one: prepare, clip, inner step."""
+
+    def __init__(self, inner, skip=False):
+        self.optimizer, self.skip = inner, skip
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def step(self):
+        if self.skip:  # an fp16 overflow: no inner step
+            return False, None, None
+        self.optimizer.step()
+        return True, None, None
+
+
+def _adam(param, lr):
+    opt = torch.optim.AdamW([param], lr=lr, weight_decay=0.0)
+    opt.param_groups[0]["max_lr"] = 2e-3
+    param.grad = torch.tensor([0.5, -1.0, 2.0])
+    opt.step()  # now it has a first moment
+    return opt
+
+
+def test_the_inner_step_sees_the_gradient_minus_the_scaled_momentum():
+    from paci_megatron.mcore.runtime import momentum_corrected
+
+    p, q, r = (torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0])) for _ in range(3))
+    opt_p, opt_q, opt_r = _adam(p, 1e-3), _adam(q, 1e-3), _adam(r, 1e-3)
+    moment = opt_p.state[p]["exp_avg"].clone()
+    grad = torch.tensor([0.25, 0.75, -0.5])
+    p.grad = grad.clone()
+    with momentum_corrected(_Wrapper(opt_p), 3.0, max_lr=None):
+        _Wrapper(opt_p).step()
+    q.grad = grad - 3.0 * (1e-3 / 2e-3) * moment  # by hand: C x (lr / peak) x m
+    opt_q.step()
+    assert torch.equal(p, q)
+    assert "step" not in opt_p.__dict__  # the optimizer's own step is back
+    r.grad = grad.clone()
+    opt_r.step()
+    assert not torch.equal(p, r)  # uncorrected, the step differs
+
+
+def test_a_skipped_step_and_a_zero_coefficient_leave_the_gradient_alone():
+    from paci_megatron.mcore.runtime import momentum_corrected
+
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = _adam(p, 1e-3)
+    p.grad = torch.full((3,), 0.5)
+    with momentum_corrected(_Wrapper(opt, skip=True), 3.0, max_lr=2e-3):
+        _Wrapper(opt, skip=True).step()
+    with momentum_corrected(_Wrapper(opt), 0.0, max_lr=2e-3):
+        assert "step" not in opt.__dict__  # nothing wrapped
+    assert torch.equal(p.grad, torch.full((3,), 0.5))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--paci-stale-grad-correction", "-1"], "--paci-stale-grad-correction"),
+    (["--pipeline-schedule", "1f1b", "--paci-stale-grad-correction", "2"], "only applies"),
+])
+def test_bad_strengths_are_refused_by_both_entry_points(argv, message, capsys):
+    from paci_megatron import run as paci_run
+    from paci_megatron.arguments import parse_and_validate
+    from test_no_stage_sync import _megatron_args
+
+    with pytest.raises(SystemExit):
+        parse_and_validate(["--pipeline-schedule", "paci", "--pipeline-model-parallel-size", "2",
+                            "--untie-embeddings-and-output-weights"] + argv, world_size=2)
+    assert message in capsys.readouterr().err
+    schedule = argv[1] if argv[0] == "--pipeline-schedule" else "paci"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        paci_run.validate_flags(_megatron_args(pipeline_schedule=schedule,
+                                               paci_stale_grad_correction=float(argv[-1])))
+
+
+def test_the_flag_reaches_the_runtime_and_other_schedules_never_correct():
+    from paci_megatron.arguments import parse_and_validate
+    from paci_megatron.stale_correction import DEFAULT_STRENGTH
+
+    def strength(*argv):
+        _args, opts = parse_and_validate(["--pipeline-model-parallel-size", "2",
+                                          "--untie-embeddings-and-output-weights", *argv],
+                                         world_size=2)
+        return opts.stale_grad_correction
+
+    assert strength() == DEFAULT_STRENGTH
+    assert strength("--paci-stale-grad-correction", "0") == 0.0  # the paper's plain PACI
+    assert strength("--paci-stale-grad-correction", "6") == 6.0
+    assert strength("--pipeline-schedule", "1f1b") == 0.0
+    assert resolve_strength(None, "1f1b") == 0.0
