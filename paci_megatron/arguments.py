@@ -267,11 +267,12 @@ def build_parser() -> argparse.ArgumentParser:
                         f"micro-batches; 0 < W <= 1 (default {DEFAULT_WEIGHT:g}; 1: the "
                         "paper's plain PACI)")
     g.add_argument("--paci-stale-grad-correction", type=_non_negative_float(
-        "--paci-stale-grad-correction"), default=None, metavar="C",
+        "--paci-stale-grad-correction"), default=None, metavar="K",
                    help="correct each stage's gradient for its stale micro-batches to first "
-                        "order: g -= C x mean drift x (lr / peak lr) x the optimizer's first "
-                        "moment, before each local step (default "
-                        f"{DEFAULT_STRENGTH:g}; 0: off, the paper's plain PACI)")
+                        "order: g -= K x lr x mean drift x the optimizer's first moment, "
+                        "before each local step; K estimates Adam's preconditioned curvature, "
+                        "in 1/LR (4000 was best at LR 2e-3; default "
+                        f"{DEFAULT_STRENGTH:g}: off, as in the paper)")
     g.add_argument("--paci-on-nonfinite", choices=["skip", "abort"], default="skip",
                    help="a NaN/Inf gradient at a stage's step: skip that update (and count it) "
                         "or stop the job")

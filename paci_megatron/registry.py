@@ -25,7 +25,7 @@ class ScheduleOptions:
     drift_lr_damping: float = 0.0  # --paci-drift-lr-damping C
     drift_lr_anneal_iters: int = 0  # --paci-drift-lr-anneal-iters N
     stale_grad_weight: float = 1.0  # --paci-stale-grad-weight W
-    stale_grad_correction: float = 0.0  # --paci-stale-grad-correction C
+    stale_grad_correction: float = 0.0  # --paci-stale-grad-correction K
     # --paci-accumulation-factor auto: decide every adapt_interval iterations (0: fixed a)
     adapt_interval: int = 0
     adapt_tolerance: float = 0.0

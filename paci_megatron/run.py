@@ -208,7 +208,7 @@ def make_runtime(margs, num_microbatches: int):
               f"per iteration ({num_microbatches // accumulation} local steps per stage and "
               f"iteration), {margs.pipeline_model_parallel_size} stages, stale gradients "
               f"weighted {opts.stale_grad_weight:g} ** drift"
-              + (f", corrected with the momentum (C={opts.stale_grad_correction:g})"
+              + (f", corrected with the momentum (K={opts.stale_grad_correction:g})"
                  if opts.stale_grad_correction else ""), flush=True)
     return runtime
 

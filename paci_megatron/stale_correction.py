@@ -1,19 +1,23 @@
-"""--paci-stale-grad-correction C: correct stale gradients to first order with the momentum.
+"""--paci-stale-grad-correction K: correct stale gradients to first order with the momentum.
 
 A micro-batch with drift d at a stage brings a gradient taken d local steps back,
 g(theta - d * delta), delta the stage's latest update. To first order
 g(theta) = g_stale + d * H * delta. Adam's update is delta = -lr * P * m (P its preconditioner
-1 / (sqrt(v) + eps), m its first moment), so g(theta) ~ g_stale - d * (lr * H * P) * m. The
-preconditioned curvature lr * H * P is unknown; taking it as one constant C at the peak LR, and
-proportional to the LR elsewhere, the stage corrects the mean gradient of a step by
+1 / (sqrt(v) + eps), m its first moment), so g(theta) ~ g_stale - d * lr * (H * P) * m. The
+preconditioned curvature H * P is unknown; taking it as one constant K (in 1 / LR units), the
+stage corrects the mean gradient of a step by
 
-    g <- g - C * mean drift * (lr / peak lr) * m
+    g <- g - K * lr * mean drift * m
 
 just before its optimizer's inner step (after unscaling and clipping, so that g and m are in the
-same units). Nothing is copied and nothing is sent: m is the optimizer's own state, the drift is
-measured. A stage whose step has no stale micro-batch (the last stage, any flush) is untouched.
-Seen from Adam, the correction lowers a stage's momentum in proportion to its drift: stale
-gradients add momentum of their own (benchmarks/README.md, section 11).
+same units; lr is the LR of that step). Nothing is copied and nothing is sent: m is the
+optimizer's own state, the drift is measured. A step with no stale micro-batch (the last stage,
+any flush) is untouched, and so is a step with no first moment yet.
+
+Seen from Adam, the correction lowers a stage's momentum in proportion to its drift and the LR
+(stale gradients add momentum of their own). It scales with the LR on purpose: the error it
+corrects is proportional to the step; a coefficient relative to the peak LR (the first form
+tried) over-corrected at a smaller LR (benchmarks/README.md, section 11).
 
 Torch-free: the runtime applies the coefficient; the one-process emulator computes its own.
 """
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-# --pipeline-schedule paci's default (benchmarks/README.md, section 11); 0 turns it off
+# off unless asked for: it wins at LR 2e-3 but not at 1e-3 (benchmarks/README.md, section 11)
 DEFAULT_STRENGTH = 0.0
 
 
@@ -52,7 +56,7 @@ class StaleGradCorrection:
         self._drifts.append(drift)
 
     def take(self) -> float:
-        """C x the group's (weighted) mean drift, the coefficient at the peak LR; resets the
+        """K x the group's (weighted) mean drift, to be multiplied by the step's LR; resets the
         group. Zero for a group without stale micro-batches."""
         drifts, self._drifts = self._drifts, []
         if not drifts or not any(drifts):

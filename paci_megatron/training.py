@@ -495,7 +495,7 @@ def train(args, opts: ScheduleOptions) -> Dict:
                  if opts.drift_lr_anneal_iters else "") if opts.drift_lr_damping else "")
              + (f", stale gradients weighted {opts.stale_grad_weight:g} ** drift"
                 if opts.stale_grad_weight != 1.0 else "")
-             + (f", stale gradients corrected with the momentum, C={opts.stale_grad_correction:g}"
+             + (f", stale gradients corrected with the momentum, K={opts.stale_grad_correction:g}"
                 if opts.stale_grad_correction else ""))
     t_last = time.perf_counter()
     since_log = 0

@@ -121,11 +121,10 @@ def add_paci_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                        help="weigh each micro-batch's gradient at a stage by W ** its drift "
                             "there, renormalised (0 < W <= 1; default: paci-megatron's, 0.2; "
                             "1: the paper's plain PACI)")
-    group.add_argument("--paci-stale-grad-correction", type=float, default=None, metavar="C",
+    group.add_argument("--paci-stale-grad-correction", type=float, default=None, metavar="K",
                        help="correct each stage's gradient for its stale micro-batches: "
-                            "g -= C x mean drift x (lr / peak lr) x the optimizer's first "
-                            "moment, before each local step (C >= 0; default: paci-megatron's; "
-                            "0: off, the paper's plain PACI)")
+                            "g -= K x lr x mean drift x the optimizer's first moment, before "
+                            "each local step (K >= 0, in 1/LR; default: paci-megatron's, off)")
     group.add_argument("--paci-on-nonfinite", choices=("skip", "abort"), default="skip",
                        help="a NaN/Inf gradient at a stage's local step: skip that update or stop")
     return parser

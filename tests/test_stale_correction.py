@@ -1,6 +1,6 @@
-"""--paci-stale-grad-correction C: the coefficient, the in-step correction, the flags.
+"""--paci-stale-grad-correction K: the coefficient, the in-step correction, the flags.
 
-That the multi-process runtime applies exactly g -= C x mean drift x (lr / peak) x exp_avg is
+That the multi-process runtime applies exactly g -= K x mean drift x lr x exp_avg is
 checked bit for bit against the emulator's own spelling of it (tests/test_reference.py, the
 ``*_correct`` cases); here the pieces are checked alone.
 """
@@ -61,7 +61,6 @@ class _Wrapper:
 
 def _adam(param, lr):
     opt = torch.optim.AdamW([param], lr=lr, weight_decay=0.0)
-    opt.param_groups[0]["max_lr"] = 2e-3
     param.grad = torch.tensor([0.5, -1.0, 2.0])
     opt.step()  # now it has a first moment
     return opt
@@ -75,9 +74,9 @@ def test_the_inner_step_sees_the_gradient_minus_the_scaled_momentum():
     moment = opt_p.state[p]["exp_avg"].clone()
     grad = torch.tensor([0.25, 0.75, -0.5])
     p.grad = grad.clone()
-    with momentum_corrected(_Wrapper(opt_p), 3.0, max_lr=None):
+    with momentum_corrected(_Wrapper(opt_p), 3000.0):
         _Wrapper(opt_p).step()
-    q.grad = grad - 3.0 * (1e-3 / 2e-3) * moment  # by hand: C x (lr / peak) x m
+    q.grad = grad - 3000.0 * 1e-3 * moment  # by hand: K x lr x m
     opt_q.step()
     assert torch.equal(p, q)
     assert "step" not in opt_p.__dict__  # the optimizer's own step is back
@@ -92,9 +91,9 @@ def test_a_skipped_step_and_a_zero_coefficient_leave_the_gradient_alone():
     p = torch.nn.Parameter(torch.ones(3))
     opt = _adam(p, 1e-3)
     p.grad = torch.full((3,), 0.5)
-    with momentum_corrected(_Wrapper(opt, skip=True), 3.0, max_lr=2e-3):
+    with momentum_corrected(_Wrapper(opt, skip=True), 3000.0):
         _Wrapper(opt, skip=True).step()
-    with momentum_corrected(_Wrapper(opt), 0.0, max_lr=2e-3):
+    with momentum_corrected(_Wrapper(opt), 0.0):
         assert "step" not in opt.__dict__  # nothing wrapped
     assert torch.equal(p.grad, torch.full((3,), 0.5))
 

@@ -182,7 +182,7 @@ class PipelineEmulator:
                  stale_grad_weight: float = 1.0, stale_grad_correction: float = 0.0):
         self.num_stages, self.accumulation, self.kind = num_stages, accumulation, kind
         self.stale_grad_weight = stale_grad_weight  # --paci-stale-grad-weight W
-        self.stale_grad_correction = stale_grad_correction  # --paci-stale-grad-correction C
+        self.stale_grad_correction = stale_grad_correction  # --paci-stale-grad-correction K
         self.micro_batch_size, self.seq_length = micro_batch_size, seq_length
         self.forward_step_func = forward_step_func
         dp = parallel_state.get_data_parallel_world_size()
@@ -348,10 +348,10 @@ class PipelineEmulator:
                                    lr, weights_sha256([model])))
 
     def _optimizer_step(self, stage: _Stage) -> tuple:
-        """Megatron's optimizer step; with --paci-stale-grad-correction C its parts spelled
+        """Megatron's optimizer step; with --paci-stale-grad-correction K its parts spelled
         out, the gradients corrected between the clipping and the inner step:
-        g -= C x (weighted mean drift of the group) x (lr / peak lr) x Adam's exp_avg."""
-        optimizer, scheduler = stage.parts.optimizer, stage.parts.lr_scheduler
+        g -= K x (weighted mean drift of the group) x lr x Adam's exp_avg."""
+        optimizer = stage.parts.optimizer
         drifts, stage.step_drifts = stage.step_drifts, []
         w = self.stale_grad_weight
         weights = [w ** d for d in drifts]
@@ -365,13 +365,11 @@ class PipelineEmulator:
         grad_norm = optimizer.clip_grad_norm(clip) if clip > 0.0 else None
         inner = optimizer.optimizer
         for group in inner.param_groups:
-            peak = group.get("max_lr", scheduler.max_lr if scheduler is not None else None)
-            ratio = group["lr"] / peak if peak else 1.0
             for param in group["params"]:
                 moment = inner.state.get(param, {}).get("exp_avg")
                 if moment is not None and param.grad is not None:
                     param.grad.add_(moment, alpha=-(self.stale_grad_correction * mean_drift
-                                                    * ratio))
+                                                    * group["lr"]))
         return optimizer.step_with_ready_grads(), grad_norm
 
     # calls, like Megatron's forward-backward function -----------------------------------------

@@ -473,12 +473,11 @@ def first_moment(inner, param) -> Optional[torch.Tensor]:
     return state.get("momentum_buffer")
 
 
-def subtract_momentum(inner, coefficient: float, max_lr: Optional[float]) -> None:
-    """--paci-stale-grad-correction: g -= coefficient x (lr / peak lr) x m, per param group
-    (stale_correction.py says why)."""
+def subtract_momentum(inner, coefficient: float) -> None:
+    """--paci-stale-grad-correction: g -= coefficient x lr x m, per param group (the LR of
+    the step about to be taken; stale_correction.py says why)."""
     for group in inner.param_groups:
-        peak = group.get("max_lr", max_lr)
-        kappa = coefficient * (group["lr"] / peak if peak else 1.0)
+        kappa = coefficient * group["lr"]
         for param in group["params"]:
             m = None if param.grad is None else first_moment(inner, param)
             if m is not None:
@@ -486,7 +485,7 @@ def subtract_momentum(inner, coefficient: float, max_lr: Optional[float]) -> Non
 
 
 @contextlib.contextmanager
-def momentum_corrected(optimizer, coefficient: float, max_lr: Optional[float]):
+def momentum_corrected(optimizer, coefficient: float):
     """Correct the gradients inside ``optimizer.step()``, right before each inner step: after
     Megatron unscaled, checked and clipped them, and only if it steps at all."""
     if not coefficient:
@@ -497,7 +496,7 @@ def momentum_corrected(optimizer, coefficient: float, max_lr: Optional[float]):
 
     def corrected(inner, step):
         def run(*args, **kwargs):
-            subtract_momentum(inner, coefficient, max_lr)
+            subtract_momentum(inner, coefficient)
             return step(*args, **kwargs)
         return run
 
@@ -677,7 +676,7 @@ class PaciRuntime:
             if self._change is not None:
                 self._change.before(self._params)
             with self._keep_versions_if_in_flight(), scaled_lr(self.optimizer, factor), \
-                    momentum_corrected(self.optimizer, coefficient, self._max_lr()):
+                    momentum_corrected(self.optimizer, coefficient):
                 ok, grad_norm, _zeros = self.optimizer.step()
             if scaler and not ok:
                 self.skipped_steps += 1
@@ -703,9 +702,6 @@ class PaciRuntime:
         self._loss_scale = None  # the scaler may have grown or backed off
         self.steps.append(StepRecord(mb, bool(ok), None if grad_norm is None else float(grad_norm), lr,
                                      factor))
-
-    def _max_lr(self) -> Optional[float]:
-        return getattr(self.lr_scheduler, "max_lr", None)
 
     def _finish_grads(self, model) -> None:
         """Weigh the group's gradients (--paci-stale-grad-weight), add the tied output-layer

@@ -77,10 +77,10 @@ CASES: Dict[str, Dict] = {
     # evaluation (p4_drain_eval's twin); weighted drifts with the distributed optimizer (sharded
     # moments, data-parallel reduction first); fp16 (unscaled first, overflow steps skipped)
     "p4_correct": dict(pp=4, a=4, n=8, calls=4, drain_after=(2,), eval_after=(2,),
-                       correction=4.0),
+                       correction=2000.0),
     "p2_dp2_distopt_correct": dict(pp=2, dp=2, a=2, dist_opt=True, dropout=0.1,
-                                   stale_weight=0.5, correction=4.0),
-    "p2_fp16_correct": dict(pp=2, a=2, calls=6, fp16=True, correction=4.0),
+                                   stale_weight=0.5, correction=2000.0),
+    "p2_fp16_correct": dict(pp=2, a=2, calls=6, fp16=True, correction=2000.0),
 }
 
 
