@@ -5,8 +5,6 @@ checked bit for bit against the emulator's own spelling of it (tests/test_refere
 ``*_correct`` cases); here the pieces are checked alone.
 """
 
-import re
-
 import pytest
 import torch
 
@@ -103,18 +101,9 @@ def test_a_skipped_step_and_a_zero_coefficient_leave_the_gradient_alone():
     (["--pipeline-schedule", "1f1b", "--paci-stale-grad-correction", "2"], "only applies"),
 ])
 def test_bad_strengths_are_refused_by_both_entry_points(argv, message, capsys):
-    from paci_megatron import run as paci_run
-    from paci_megatron.arguments import parse_and_validate
-    from test_no_stage_sync import _megatron_args
+    from test_stale_weights import assert_refused_by_both_entry_points
 
-    with pytest.raises(SystemExit):
-        parse_and_validate(["--pipeline-schedule", "paci", "--pipeline-model-parallel-size", "2",
-                            "--untie-embeddings-and-output-weights"] + argv, world_size=2)
-    assert message in capsys.readouterr().err
-    schedule = argv[1] if argv[0] == "--pipeline-schedule" else "paci"
-    with pytest.raises(ValueError, match=re.escape(message)):
-        paci_run.validate_flags(_megatron_args(pipeline_schedule=schedule,
-                                               paci_stale_grad_correction=float(argv[-1])))
+    assert_refused_by_both_entry_points(argv, message, capsys)
 
 
 def test_the_flag_reaches_the_runtime_and_other_schedules_never_correct():

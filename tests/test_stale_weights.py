@@ -75,6 +75,12 @@ def test_the_drift_never_rises_between_two_steps_of_any_paci_stage(stages, accum
     (["--pipeline-schedule", "1f1b", "--paci-stale-grad-weight", "0.5"], "only applies"),
 ])
 def test_bad_weights_are_refused_by_both_entry_points(argv, message, capsys):
+    assert_refused_by_both_entry_points(argv, message, capsys)
+
+
+def assert_refused_by_both_entry_points(argv, message, capsys):
+    """``argv`` ends with one PACI flag and its value (after an optional --pipeline-schedule):
+    pretrain_gpt_paci.py's parser and the Megatron-LM drop-in's check both refuse it."""
     from paci_megatron import run as paci_run
     from paci_megatron.arguments import parse_and_validate
     from test_no_stage_sync import _megatron_args
@@ -84,9 +90,10 @@ def test_bad_weights_are_refused_by_both_entry_points(argv, message, capsys):
                             "--untie-embeddings-and-output-weights"] + argv, world_size=2)
     assert message in capsys.readouterr().err
     schedule = argv[1] if argv[0] == "--pipeline-schedule" else "paci"
+    dest = argv[-2].lstrip("-").replace("-", "_")
     with pytest.raises(ValueError, match=re.escape(message)):
         paci_run.validate_flags(_megatron_args(pipeline_schedule=schedule,
-                                               paci_stale_grad_weight=float(argv[-1])))
+                                               **{dest: float(argv[-1])}))
 
 
 def test_paci_weighs_by_default_and_plain_paci_is_one_flag_away():
