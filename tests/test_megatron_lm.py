@@ -264,6 +264,26 @@ def test_paci_one_local_step_per_iteration(stock_run, tmp_path):
 
 @pytest.mark.dist
 @needs_megatron_lm
+def test_stale_gradient_correction_trains_through_the_drop_in(stock_run, tmp_path):
+    """--paci-stale-grad-correction reaches Megatron-LM's run: announced, the first
+    iteration (no moment yet, no drift) equals stock 1F1B, training goes on with the same LRs
+    and drift, and the correction changes the run (against the same run uncorrected)."""
+    flags = ["--pipeline-schedule", "paci", "--paci-stale-grad-weight", "1"]
+    for sub in ("k", "plain"):
+        (tmp_path / sub).mkdir()
+    out = _ok(flags + ["--paci-stale-grad-correction", "4000"], tmp_path / "k")
+    plain = _ok(flags, tmp_path / "plain")
+    assert "corrected with the momentum (K=4000)" in out
+    rows, stock, uncorrected = iterations(out), iterations(stock_run), iterations(plain)
+    assert [r["iteration"] for r in rows] == ["1", "2", "3", "4"], out[-3000:]
+    assert rows[0]["loss"] == stock[0]["loss"] == uncorrected[0]["loss"]
+    assert [r["lr"] for r in rows] == [r["lr"] for r in stock]
+    assert [r["loss"] for r in rows[2:]] != [r["loss"] for r in uncorrected[2:]]
+    assert drift(out) == drift(plain)
+
+
+@pytest.mark.dist
+@needs_megatron_lm
 def test_paci_accumulation_factor_and_checkpoints(stock_run, tmp_path):
     """a = 2 of 4 micro-batches: two local steps per stage and iteration; checkpoints at
     iterations 2 and 4, each after a drain."""
