@@ -24,7 +24,7 @@ Torch-free: the runtime applies the coefficient; the one-process emulator comput
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
 # off unless asked for: it wins at LR 2e-3 but not at 1e-3 (benchmarks/README.md, section 11)
 DEFAULT_STRENGTH = 0.0
@@ -44,23 +44,14 @@ def check_strength(strength: float) -> None:
 
 
 class StaleGradCorrection:
-    """One stage's drifts of the group of backwards its next step applies."""
+    """The coefficient of a stage's step; the mean drift comes from what the stage already
+    counts (its DriftStats, or its StaleGradWeights when the gradients are weighted)."""
 
-    def __init__(self, strength: float, weight: float = 1.0):
+    def __init__(self, strength: float):
         check_strength(strength)
         self.strength = strength
-        self.weight = weight  # --paci-stale-grad-weight: the drifts are weighted as the grads
-        self._drifts: List[int] = []
 
-    def add(self, drift: int) -> None:
-        self._drifts.append(drift)
-
-    def take(self) -> float:
-        """K x the group's (weighted) mean drift, to be multiplied by the step's LR; resets the
-        group. Zero for a group without stale micro-batches."""
-        drifts, self._drifts = self._drifts, []
-        if not drifts or not any(drifts):
-            return 0.0
-        weights = [self.weight ** d for d in drifts]
-        mean = sum(w * d for w, d in zip(weights, drifts)) / sum(weights)
-        return self.strength * mean
+    def coefficient(self, mean_drift: float) -> float:
+        """K x the group's mean drift, to be multiplied by the step's LR; zero for a group
+        without stale micro-batches."""
+        return self.strength * mean_drift if mean_drift else 0.0

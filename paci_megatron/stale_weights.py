@@ -39,6 +39,7 @@ class StaleGradWeights:
         self.weight = weight
         self._level: Optional[int] = None  # drift of the buffer's latest contribution
         self._total = 0.0  # sum of weight ** drift over the group so far
+        self._drift_total = 0.0  # sum of weight ** drift x drift (the weighted mean's numerator)
         self._count = 0
 
     def weight_of(self, drift: int) -> float:
@@ -54,8 +55,14 @@ class StaleGradWeights:
             factor = self.weight ** (self._level - drift)
         self._level = drift
         self._total += self.weight_of(drift)
+        self._drift_total += self.weight_of(drift) * drift
         self._count += 1
         return factor
+
+    @property
+    def mean_drift(self) -> float:
+        """The group's drift so far, weighted as its gradients (0 before any backward)."""
+        return self._drift_total / self._total if self._count else 0.0
 
     def at_step(self, renormalize: bool = True) -> float:
         """The factor that completes the weights and, with ``renormalize``, makes the buffer
@@ -66,5 +73,5 @@ class StaleGradWeights:
         factor = self.weight ** self._level
         if renormalize:
             factor *= self._count / self._total
-        self._level, self._total, self._count = None, 0.0, 0
+        self._level, self._total, self._drift_total, self._count = None, 0.0, 0.0, 0
         return factor

@@ -8,30 +8,47 @@ checked bit for bit against the emulator's own spelling of it (tests/test_refere
 import pytest
 import torch
 
+from paci_megatron.executor import DriftStats
 from paci_megatron.stale_correction import StaleGradCorrection, resolve_strength
+from paci_megatron.stale_weights import StaleGradWeights
+
+
+def _unweighted(drifts):
+    stats = DriftStats(stage=0, bound=None)
+    for mb, d in enumerate(drifts):
+        stats.version = d  # forward at version 0, backward d steps later
+        stats.fwd_version[mb] = 0
+        stats.on_backward(mb)
+    return stats
+
+
+def _weighted(weight, drifts):
+    weights = StaleGradWeights(weight)
+    for d in drifts:
+        weights.before_backward(d)
+    return weights
 
 
 def test_the_coefficient_is_the_strength_times_the_weighted_mean_drift():
     corr = StaleGradCorrection(4.0)
-    for d in (1, 1, 1, 0):
-        corr.add(d)
-    assert corr.take() == 4.0 * 0.75
-    weighted = StaleGradCorrection(4.0, weight=0.5)
-    for d in (2, 1, 0, 0):
-        weighted.add(d)
+    assert corr.coefficient(_unweighted((1, 1, 1, 0)).group_mean_drift) == 4.0 * 0.75
     # weights 0.25, 0.5, 1, 1: (0.5 + 0.5) / 2.75
-    assert weighted.take() == pytest.approx(4.0 * 1.0 / 2.75, rel=1e-15)
+    assert corr.coefficient(_weighted(0.5, (2, 1, 0, 0)).mean_drift) == pytest.approx(
+        4.0 * 1.0 / 2.75, rel=1e-15)
 
 
-def test_a_group_without_drift_is_not_corrected_and_take_resets():
+def test_a_group_without_drift_is_not_corrected_and_the_step_resets_it():
     corr = StaleGradCorrection(8.0)
-    assert corr.take() == 0.0  # no backward yet
-    for d in (0, 0, 0):
-        corr.add(d)
-    assert corr.take() == 0.0
-    corr.add(1)
-    assert corr.take() == 8.0
-    assert corr.take() == 0.0  # the group was reset
+    assert corr.coefficient(_unweighted(()).group_mean_drift) == 0.0  # no backward yet
+    assert corr.coefficient(_unweighted((0, 0, 0)).group_mean_drift) == 0.0
+    assert corr.coefficient(_unweighted((1,)).group_mean_drift) == 8.0
+    weights = _weighted(0.5, (1,))
+    assert corr.coefficient(weights.mean_drift) == 8.0
+    weights.at_step()
+    assert corr.coefficient(weights.mean_drift) == 0.0  # the group was reset
+    stats = _unweighted((1,))
+    stats.on_step()
+    assert corr.coefficient(stats.group_mean_drift) == 0.0
 
 
 @pytest.mark.parametrize("strength", [-1.0, float("nan"), float("inf")])

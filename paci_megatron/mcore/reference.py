@@ -353,11 +353,10 @@ class PipelineEmulator:
         g -= K x (weighted mean drift of the group) x lr x Adam's exp_avg."""
         optimizer = stage.parts.optimizer
         drifts, stage.step_drifts = stage.step_drifts, []
-        w = self.stale_grad_weight
-        weights = [w ** d for d in drifts]
         if not self.stale_grad_correction or not any(drifts):
             ok, grad_norm, _ = optimizer.step()
             return ok, grad_norm
+        weights = [self.stale_grad_weight ** d for d in drifts]
         mean_drift = sum(wi * d for wi, d in zip(weights, drifts)) / sum(weights)
         if optimizer.prepare_grads():  # unscaled; True: a NaN/Inf (fp16 overflow), no step
             return False, None

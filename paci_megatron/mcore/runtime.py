@@ -111,12 +111,10 @@ class MegatronHandlers:
         closes_group = (mb + 1) % self.rt.plan.accumulation == 0
         self.finish_send_of(mb)  # long done: the next stage already sent this one's gradient
         stale, token_weight = self.rt.stale, 1.0
-        _mb, fwd_version, version = self.rt.drift.log[-1]  # the executor logged this one
         if stale is not None:
+            _mb, fwd_version, version = self.rt.drift.log[-1]  # the executor logged this one
             token_weight = stale.weight_of(version - fwd_version)
             scale_grads(self.model, stale.before_backward(version - fwd_version))
-        if self.rt.correction is not None:
-            self.rt.correction.add(version - fwd_version)
         if self.rt.meta is not None:
             self.rt.meta.before_backward(self.rt, state, mb, token_weight=token_weight)
         with self.rt.grad_sync(enabled=closes_group):
@@ -582,7 +580,7 @@ class PaciRuntime:
         self.stale = (StaleGradWeights(stale_grad_weight)
                       if kind == "paci" and stale_grad_weight != 1.0 else None)
         # --paci-stale-grad-correction: None leaves the optimizer's gradients as they are
-        self.correction = (StaleGradCorrection(stale_grad_correction, stale_grad_weight)
+        self.correction = (StaleGradCorrection(stale_grad_correction)
                            if kind == "paci" and stale_grad_correction else None)
 
     # wiring ----------------------------------------------------------------------------------
@@ -666,9 +664,9 @@ class PaciRuntime:
             raise RuntimeError("PaciRuntime.bind(optimizer, ...) must be called before training")
         model = self._model
         tied = self.tied
+        coefficient = self._correction_now()  # before _finish_grads resets the weights' group
         self._finish_grads(model)
         factor = self.lr_factor_now()
-        coefficient = self.correction.take() if self.correction is not None else 0.0
         # fp16: the loss scaler checks for overflow (over the stage's grad-stats group), skips
         # and backs off, as stock; an overflow is routine there, not an error
         scaler = self.meta is not None and self.meta.fp16
@@ -702,6 +700,14 @@ class PaciRuntime:
         self._loss_scale = None  # the scaler may have grown or backed off
         self.steps.append(StepRecord(mb, bool(ok), None if grad_norm is None else float(grad_norm), lr,
                                      factor))
+
+    def _correction_now(self) -> float:
+        """--paci-stale-grad-correction: K x the mean drift of the group about to be applied,
+        weighted as its gradients are."""
+        if self.correction is None:
+            return 0.0
+        mean = self.stale.mean_drift if self.stale else self.drift.group_mean_drift
+        return self.correction.coefficient(mean)
 
     def _finish_grads(self, model) -> None:
         """Weigh the group's gradients (--paci-stale-grad-weight), add the tied output-layer
