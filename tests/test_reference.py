@@ -21,7 +21,7 @@ WORKER = "tests/workers/reference_cases.py"
 PP_ONLY = ["p2_a4", "p2_a2", "p2_bf16", "p2_distopt", "p2_drain_eval",
            "p4_a4", "p4_a1", "p4_bf16", "p4_recompute", "p4_eval_nodrain", "p4_drain_eval",
            "p4_auto", "p2_tied", "p2_tied_bf16", "p4_tied", "p4_stale", "p4_tied_stale",
-           "p4_correct"]
+           "p4_correct", "p4_tied_correct"]
 # 2 emulator processes, 4 runtime ones
 PARALLEL = ["p2_dp2", "p2_dp2_distopt", "p2_tp2", "p2_dp2_tied", "p2_dp2_stale",
             "p2_dp2_distopt_correct"]
@@ -72,7 +72,8 @@ def test_runtime_equals_emulator_bit_for_bit(case, results):
         assert r.get("tied_histogram", {}) == e.get("tied_histogram", {})
 
 
-@pytest.mark.parametrize("case,lag", [("p2_tied", 2), ("p2_tied_bf16", 1), ("p4_tied", 2)])
+@pytest.mark.parametrize("case,lag", [("p2_tied", 2), ("p2_tied_bf16", 1), ("p4_tied", 2),
+                                      ("p4_tied_correct", 2)])
 def test_tied_weight_staleness_reaches_its_bound_and_no_more(case, lag, results):
     """The last stage's copy of the tied weight trails stage 0's by lag = ceil(P/a) steps:
     every micro-batch of group g used owner version max(0, g - lag) (so group g < lag is less
@@ -171,7 +172,8 @@ def test_stale_gradient_weights_change_only_the_stages_with_drift(case, twin, re
 
 
 @pytest.mark.parametrize("case,twin", [("p4_correct", "p4_drain_eval"),
-                                       ("p2_fp16_correct", "p2_fp16")])
+                                       ("p2_fp16_correct", "p2_fp16"),
+                                       ("p4_tied_correct", "p4_tied")])
 def test_stale_gradient_correction_changes_only_steps_with_drift(case, twin, results):
     """The twin is the same run uncorrected. Every stage's first step sees no stale
     micro-batch, so it is the twin's; stage 0 departs from its first stale group on. The last

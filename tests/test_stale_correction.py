@@ -113,6 +113,52 @@ def test_a_skipped_step_and_a_zero_coefficient_leave_the_gradient_alone():
     assert torch.equal(p.grad, torch.full((3,), 0.5))
 
 
+def test_sgd_corrects_with_its_momentum_buffer_and_without_momentum_not_at_all():
+    from paci_megatron.mcore.runtime import subtract_momentum
+
+    p, plain = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    sgd = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    no_momentum = torch.optim.SGD([plain], lr=0.1)
+    for param, opt in ((p, sgd), (plain, no_momentum)):
+        param.grad = torch.tensor([0.5, -1.0, 2.0])
+        opt.step()
+    buffer = sgd.state[p]["momentum_buffer"].clone()
+    p.grad, plain.grad = torch.full((3,), 0.25), torch.full((3,), 0.25)
+    subtract_momentum(sgd, 20.0)
+    subtract_momentum(no_momentum, 20.0)
+    assert torch.equal(p.grad, torch.full((3,), 0.25) - 20.0 * 0.1 * buffer)
+    assert torch.equal(plain.grad, torch.full((3,), 0.25))  # no momentum, nothing to subtract
+
+
+class _ScaledStateAdam(torch.optim.AdamW):
+    """Like TE's FusedAdam with a low-precision exp_avg: the state is stored scaled and in
+    another dtype; get_unscaled_state gives it back in the gradient's units."""
+
+    scale = 4.0
+
+    def step(self, closure=None):
+        super().step(closure)
+        for state in self.state.values():
+            state["exp_avg"] = (state["exp_avg"] * self.scale).to(torch.bfloat16)
+
+    def get_unscaled_state(self, param, name):
+        return self.state[param][name].float() / self.scale
+
+
+def test_a_first_moment_stored_scaled_is_read_unscaled():
+    from paci_megatron.mcore.runtime import first_moment
+
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = _ScaledStateAdam([p], lr=1e-3)
+    assert first_moment(opt, p) is None  # before the first step
+    p.grad = torch.tensor([0.5, -1.0, 2.0])
+    opt.step()
+    m = first_moment(opt, p)
+    assert m.dtype == torch.float32
+    assert torch.equal(m, opt.state[p]["exp_avg"].float() / 4.0)
+    assert torch.allclose(m, 0.1 * torch.tensor([0.5, -1.0, 2.0]), rtol=1e-2)
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--paci-stale-grad-correction", "-1"], "--paci-stale-grad-correction"),
     (["--pipeline-schedule", "1f1b", "--paci-stale-grad-correction", "2"], "only applies"),

@@ -81,6 +81,10 @@ CASES: Dict[str, Dict] = {
     "p2_dp2_distopt_correct": dict(pp=2, dp=2, a=2, dist_opt=True, dropout=0.1,
                                    stale_weight=0.5, correction=2000.0),
     "p2_fp16_correct": dict(pp=2, a=2, calls=6, fp16=True, correction=2000.0),
+    # tied embeddings (p4_tied's twin): stage 0 corrects the tied weight, the last stage's
+    # output-layer gradient included, with its own drift and its own moment
+    "p4_tied_correct": dict(pp=4, a=2, calls=6, tied=True, drain_after=(3,), eval_after=(2, 4),
+                            correction=2000.0),
 }
 
 
