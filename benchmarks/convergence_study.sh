@@ -29,7 +29,8 @@ for MBS in 4 2; do
   # at M = 8 also the correction trained for as many updates as PACI fits in 1F1B's projected
   # time (throughput 1.375): time-to-accuracy with a schedule of its own length
   LONG=()
-  [ "$M" = 8 ] && LONG=(--run paci-k4000-long="$K --train-iters 1375")
+  [ "$M" = 8 ] && LONG=(--run paci-k4000-long="$K --train-iters 1375"
+                        --run paci-w0.2-long="$W --train-iters 1375")
   python -m paci_megatron.compare --reuse --schedules 1f1b --seeds 1234,1235 \
       --nproc-per-node 4 --out "$OUT/m$M" \
       --run paci-plain="$PLAIN" \
