@@ -26,8 +26,8 @@ W="--pipeline-schedule paci --paci-stale-grad-weight 0.2"     # the default sinc
 K="$PLAIN --paci-stale-grad-correction 4000"                  # the correction, section 11
 for MBS in 4 2; do
   M=$((16 / MBS))
-  # at M = 8 also the correction trained for as many updates as PACI fits in 1F1B's projected
-  # time (throughput 1.375): time-to-accuracy with a schedule of its own length
+  # at M = 8 also the correction and the default trained for as many updates as PACI fits in
+  # 1F1B's projected time (throughput 1.375): time-to-accuracy with a schedule of its own length
   LONG=()
   [ "$M" = 8 ] && LONG=(--run paci-k4000-long="$K --train-iters 1375"
                         --run paci-w0.2-long="$W --train-iters 1375")

@@ -54,8 +54,9 @@ class StaleGradWeights:
                                    "steps; --paci-stale-grad-weight relies on it never rising")
             factor = self.weight ** (self._level - drift)
         self._level = drift
-        self._total += self.weight_of(drift)
-        self._drift_total += self.weight_of(drift) * drift
+        weight = self.weight_of(drift)
+        self._total += weight
+        self._drift_total += weight * drift
         self._count += 1
         return factor
 

@@ -113,8 +113,9 @@ class MegatronHandlers:
         stale, token_weight = self.rt.stale, 1.0
         if stale is not None:
             _mb, fwd_version, version = self.rt.drift.log[-1]  # the executor logged this one
-            token_weight = stale.weight_of(version - fwd_version)
-            scale_grads(self.model, stale.before_backward(version - fwd_version))
+            drift = version - fwd_version
+            token_weight = stale.weight_of(drift)
+            scale_grads(self.model, stale.before_backward(drift))
         if self.rt.meta is not None:
             self.rt.meta.before_backward(self.rt, state, mb, token_weight=token_weight)
         with self.rt.grad_sync(enabled=closes_group):
