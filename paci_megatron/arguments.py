@@ -252,15 +252,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="synchronous warm start: run the first K iterations as stock 1F1B "
                         "(flush, one step per iteration), then PACI with no drain at the "
                         "switch (default 0)")
-    g.add_argument("--paci-drift-lr-damping", type=_non_negative_float("--paci-drift-lr-damping"),
-                   default=0.0, metavar="C",
-                   help="drift-aware step size: each stage scales its LR at each local step "
-                        "by 1 / (1 + C x the mean drift of the micro-batches in that step), "
-                        "stage-local (default 0: plain PACI)")
-    g.add_argument("--paci-drift-lr-anneal-iters", type=_bounded_int(
-        "--paci-drift-lr-anneal-iters", 0), default=0, metavar="N",
-                   help="fade the drift damping out linearly over the first N iterations "
-                        "(default 0: never fade)")
     g.add_argument("--paci-stale-grad-weight", type=float, default=None, metavar="W",
                    help="weigh each micro-batch's gradient at a stage by W ** drift (its "
                         "drift there), renormalised so each step still applies a mean over a "
@@ -363,15 +354,12 @@ def validate(args: argparse.Namespace, world_size: int) -> ScheduleOptions:
         accumulation=args.paci_accumulation_factor, max_drift=args.paci_max_drift,
         micro_batch_size=args.micro_batch_size, data_parallel_size=dp,
         on_nonfinite=args.paci_on_nonfinite, sync_iters=args.paci_sync_iters,
-        drift_lr_damping=args.paci_drift_lr_damping,
-        drift_lr_anneal_iters=args.paci_drift_lr_anneal_iters,
         stale_grad_weight=resolve_weight(args.paci_stale_grad_weight, args.pipeline_schedule),
         stale_grad_correction=resolve_strength(args.paci_stale_grad_correction,
                                                args.pipeline_schedule),
         adapt_interval=adapt_interval, adapt_tolerance=args.paci_adapt_tolerance,
         adapt_policy=args.paci_adapt_policy or "staleness",
     )
-    _check_drift_lr_flags(args)
     _check_stale_grad_weight(args)
     _check_stale_grad_correction(args)
     if args.paci_sync_iters and args.pipeline_schedule != "paci":
@@ -382,15 +370,6 @@ def validate(args: argparse.Namespace, world_size: int) -> ScheduleOptions:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return opts
-
-
-def _check_drift_lr_flags(args) -> None:
-    if args.paci_drift_lr_damping and args.pipeline_schedule != "paci":
-        raise ConfigError(f"--paci-drift-lr-damping {args.paci_drift_lr_damping:g} only applies "
-                          "to --pipeline-schedule paci; drop it")
-    if args.paci_drift_lr_anneal_iters and not args.paci_drift_lr_damping:
-        raise ConfigError(f"--paci-drift-lr-anneal-iters {args.paci_drift_lr_anneal_iters} has "
-                          "nothing to fade; add --paci-drift-lr-damping C (C > 0) or drop it")
 
 
 def _check_stale_grad_weight(args) -> None:

@@ -141,8 +141,7 @@ NOT_FOR_TIMING = ("--num-layers", "--pipeline-model-parallel-size", "--pipeline-
                   "--num-layers-per-virtual-pipeline-stage", "--save", "--load",
                   "--metrics-file", "--tensorboard-dir", "--exit-interval", "--save-interval",
                   "--save-interval-minutes", "--paci-accumulation-factor", "--paci-max-drift",
-                  "--paci-sync-iters", "--paci-on-nonfinite", "--paci-drift-lr-damping",
-                  "--paci-drift-lr-anneal-iters", "--paci-stale-grad-weight",
+                  "--paci-sync-iters", "--paci-on-nonfinite", "--paci-stale-grad-weight",
                   "--paci-stale-grad-correction", "--eval-interval")
 SWITCHES_NOT_FOR_TIMING = ("--paci-drain-before-eval", "--measure-memory",
                            "--measure-activation-memory", "--override-opt_param-scheduler",

@@ -22,8 +22,6 @@ class ScheduleOptions:
     data_parallel_size: int = 1
     on_nonfinite: str = "skip"
     sync_iters: int = 0  # --paci-sync-iters: stock 1F1B for the first K iterations
-    drift_lr_damping: float = 0.0  # --paci-drift-lr-damping C
-    drift_lr_anneal_iters: int = 0  # --paci-drift-lr-anneal-iters N
     stale_grad_weight: float = 1.0  # --paci-stale-grad-weight W
     stale_grad_correction: float = 0.0  # --paci-stale-grad-correction K
     # --paci-accumulation-factor auto: decide every adapt_interval iterations (0: fixed a)
@@ -102,8 +100,6 @@ def _make_paci(opts: ScheduleOptions):
             opts.adapt_interval, opts.adapt_tolerance, opts.adapt_policy)
     return PaciRuntime(accumulation=opts.accumulation, max_drift=opts.max_drift,
                        on_nonfinite=opts.on_nonfinite, sync_calls=opts.sync_iters,
-                       drift_lr_damping=opts.drift_lr_damping,
-                       drift_lr_anneal_iters=opts.drift_lr_anneal_iters,
                        adaptive=adaptive, stale_grad_weight=opts.stale_grad_weight,
                        stale_grad_correction=opts.stale_grad_correction)
 

@@ -490,9 +490,6 @@ def train(args, opts: ScheduleOptions) -> Dict:
                 f"policy {opts.adapt_policy})" if opts.adapt_interval else f"{opts.accumulation}")
              + (f", stock 1F1B for the first {opts.sync_iters} iterations (--paci-sync-iters)"
                 if opts.sync_iters else "")
-             + (f", drift LR damping {opts.drift_lr_damping:g}" + (
-                 f" fading out over {opts.drift_lr_anneal_iters} iterations"
-                 if opts.drift_lr_anneal_iters else "") if opts.drift_lr_damping else "")
              + (f", stale gradients weighted {opts.stale_grad_weight:g} ** drift"
                 if opts.stale_grad_weight != 1.0 else "")
              + (f", stale gradients corrected with the momentum, K={opts.stale_grad_correction:g}"
@@ -534,14 +531,6 @@ def _memory_record(job: Job) -> Dict:
             "peak_activation_mb": activation, "peak_rss_mb": build.peak_rss_mb()}
 
 
-def _lr_factor_metrics(drift: List[Dict]) -> Dict:
-    """Per stage, the mean and smallest LR factor of --paci-drift-lr-damping (none without)."""
-    if not any("lr_factor" in row for row in drift):
-        return {}
-    return {f"lr_factor_{key}": [row.get("lr_factor", {}).get(key) for row in drift]
-            for key in ("mean", "min")}
-
-
 def finish(job: Job) -> Dict:
     args = job.args
     summary: Dict[str, Any] = {"schedule": args.pipeline_schedule, "losses": job.history,
@@ -554,11 +543,8 @@ def finish(job: Job) -> Dict:
             _log(f"> PACI: drained the pipeline at the end (this stage dropped {dropped} "
                  "in-flight forwards)")
             for row in drift:
-                damped = row.get("lr_factor")
                 _log(f"> stage {row['stage']}: max drift {row['max']} (bound {row['bound']}), "
-                     f"histogram {row['histogram']}, local steps {row['steps']}"
-                     + (f", drift LR factor min {damped['min']:.4f} mean {damped['mean']:.4f} "
-                        f"({damped['damped_steps']} steps damped)" if damped else ""))
+                     f"histogram {row['histogram']}, local steps {row['steps']}")
                 if row.get("tied"):
                     tied = row["tied"]
                     _log(f"> stage {row['stage']}: tied embedding staleness max {tied['max']} "
@@ -588,8 +574,7 @@ def finish(job: Job) -> Dict:
                          "peak_memory_mb": [m["peak_memory_mb"] for m in memory],
                          "skipped_steps": [r["skipped_steps"] for r in summary.get("drift", [])],
                          "peak_rss_mb": [m["peak_rss_mb"] for m in memory],
-                         "peak_activation_mb": [m["peak_activation_mb"] for m in memory],
-                         **_lr_factor_metrics(summary.get("drift", []))})
+                         "peak_activation_mb": [m["peak_activation_mb"] for m in memory]})
     if job.uninstall is not None:
         job.uninstall()
     if job.reporter:

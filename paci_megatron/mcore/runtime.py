@@ -42,7 +42,6 @@ class StepRecord:
     update_successful: bool
     grad_norm: Optional[float]
     lr: Optional[float]
-    lr_factor: float = 1.0  # --paci-drift-lr-damping's factor applied to this step's LR
 
 
 @dataclass
@@ -431,33 +430,6 @@ def scale_grads(model, factor: float) -> None:
         model.scale_gradients(factor)
 
 
-def drift_lr_factor(damping: float, anneal_iters: int, iteration: int,
-                    mean_drift: float) -> float:
-    """--paci-drift-lr-damping C: 1 / (1 + C w mean_drift), w fading linearly from 1 at
-    iteration 0 to 0 at ``anneal_iters`` (w = 1 throughout when it is 0). A step whose
-    gradients all come from forwards on the current weights (drift 0) is never damped."""
-    weight = 1.0 if anneal_iters <= 0 else max(0.0, 1.0 - iteration / anneal_iters)
-    return 1.0 / (1.0 + damping * weight * mean_drift)
-
-
-@contextlib.contextmanager
-def scaled_lr(optimizer, factor: float):
-    """Every param group's LR times ``factor`` for one step, then exactly as before: the LR
-    scheduler (its sample count and what it sets next) never sees the damping."""
-    if factor == 1.0:
-        yield
-        return
-    groups = [g for opt in _sub_optimizers(optimizer) for g in opt.param_groups]
-    saved = [g["lr"] for g in groups]
-    for g in groups:
-        g["lr"] = g["lr"] * factor
-    try:
-        yield
-    finally:
-        for g, lr in zip(groups, saved):
-            g["lr"] = lr
-
-
 def first_moment(inner, param) -> Optional[torch.Tensor]:
     """The optimizer's momentum of ``param`` in the gradient's units, None before its first
     step: Adam's exp_avg, SGD's momentum_buffer (TE's FusedAdam may keep it scaled)."""
@@ -523,7 +495,6 @@ class PaciRuntime:
 
     def __init__(self, *, accumulation: int, kind: str = "paci", max_drift: Optional[int] = None,
                  on_nonfinite: str = "skip", sync_calls: int = 0,
-                 drift_lr_damping: float = 0.0, drift_lr_anneal_iters: int = 0,
                  adaptive: Optional[Adaptive] = None, stale_grad_weight: float = 1.0,
                  stale_grad_correction: float = 0.0):
         if kind not in ("paci", "flush"):
@@ -543,8 +514,6 @@ class PaciRuntime:
         self.plan: Optional[StreamPlan] = None
         self.call_index = 0
         self.sync_calls = sync_calls
-        self.drift_lr_damping = drift_lr_damping
-        self.drift_lr_anneal_iters = drift_lr_anneal_iters
         self.calls_done = 0  # training calls since the start of the run (drains keep it)
         self._stock_grad_groups: list = []
         self.state = StageState()
@@ -667,14 +636,13 @@ class PaciRuntime:
         tied = self.tied
         coefficient = self._correction_now()  # before _finish_grads resets the weights' group
         self._finish_grads(model)
-        factor = self.lr_factor_now()
         # fp16: the loss scaler checks for overflow (over the stage's grad-stats group), skips
         # and backs off, as stock; an overflow is routine there, not an error
         scaler = self.meta is not None and self.meta.fp16
         if scaler or grads_are_finite(model, stage_grad_stats_group(self.optimizer)):
             if self._change is not None:
                 self._change.before(self._params)
-            with self._keep_versions_if_in_flight(), scaled_lr(self.optimizer, factor), \
+            with self._keep_versions_if_in_flight(), \
                     momentum_corrected(self.optimizer, coefficient):
                 ok, grad_norm, _zeros = self.optimizer.step()
             if scaler and not ok:
@@ -699,8 +667,7 @@ class PaciRuntime:
         self.optimizer.zero_grad()
         self.fresh_weights = True
         self._loss_scale = None  # the scaler may have grown or backed off
-        self.steps.append(StepRecord(mb, bool(ok), None if grad_norm is None else float(grad_norm), lr,
-                                     factor))
+        self.steps.append(StepRecord(mb, bool(ok), None if grad_norm is None else float(grad_norm), lr))
 
     def _correction_now(self) -> float:
         """--paci-stale-grad-correction: K x the mean drift of the group about to be applied,
@@ -728,14 +695,6 @@ class PaciRuntime:
             self.meta.divide_by_tokens(model, self.pg.dp_cp)
         if tied is not None and not tied.is_owner:
             tied.before_last_step()
-
-    def lr_factor_now(self) -> float:
-        """The drift damping of the step about to be taken: stage-local (this stage's own
-        drift) and a function of the iteration, so a resumed run takes the same factors."""
-        if not self.drift_lr_damping:
-            return 1.0
-        return drift_lr_factor(self.drift_lr_damping, self.drift_lr_anneal_iters,
-                               self.calls_done, self.drift.group_mean_drift)
 
     def loss_scale(self) -> float:
         """This stage's current loss scale (1 without a scaler); it changes only at a step."""
@@ -982,13 +941,6 @@ class PaciRuntime:
         row = {"stage": self.stage, "max": self.drift.max, "bound": self.drift.bound,
                "histogram": dict(sorted(self.drift.histogram.items())),
                "steps": self.drift.version, "skipped_steps": self.skipped_steps}
-        if self.drift_lr_damping:
-            factors = [r.lr_factor for r in self.steps]
-            row["lr_factor"] = {
-                "min": min(factors, default=1.0), "max": max(factors, default=1.0),
-                "mean": sum(factors) / len(factors) if factors else 1.0,
-                "last": factors[-1] if factors else 1.0,
-                "damped_steps": sum(f != 1.0 for f in factors)}
         if self.adaptive is not None:  # a per call, as (first call, a) runs; max drift per call
             row["factor_changes"] = list(self.adaptive.changes)
             row["call_drift"] = [self.call_drift.get(k) for k in range(self.calls_done)]
