@@ -9,7 +9,8 @@ setup(
                 "for NVIDIA Megatron-Core (--pipeline-schedule paci)",
     python_requires=">=3.10",
     # the repo-root folder patches/ ships as paci_megatron.patches
-    packages=["paci_megatron", "paci_megatron.mcore", "paci_megatron.patches"],
+    packages=["paci_megatron", "paci_megatron.features", "paci_megatron.mcore",
+              "paci_megatron.patches", "paci_megatron.patches.megatron_lm"],
     package_dir={"paci_megatron.patches": "patches"},
     py_modules=[],
     install_requires=[

@@ -149,10 +149,11 @@ def stream_with_factors(num_stages: int, per_call: int, factors: Sequence[int],
 
 
 def same_messages(num_stages: int, per_call: int, factors: Sequence[int]) -> bool:
-    """True when every factor's plan runs the same actions but for the steps, call by call."""
+    """True when every factor's plan runs the same actions but for the group-closing R and T,
+    call by call."""
     def without_steps(a):
         plan = plan_stream("paci", num_stages, a, per_call)
-        return [[tuple(x for x in plan.call(k)[s] if x.op is not Op.STEP)
+        return [[tuple(x for x in plan.call(k)[s] if x.op not in (Op.REDUCE, Op.STEP))
                  for s in range(num_stages)] for k in range(3)]
 
     first = without_steps(factors[0])

@@ -55,11 +55,12 @@ PROFILE_ROWS = {
     "drift bookkeeping (DriftStats)": [("executor.py", "on_forward"), ("executor.py", "on_backward"),
                                        ("executor.py", "on_step")],
     "plan lookup (StreamPlan.call)": [("schedule.py", "call")],
-    "send bookkeeping (reap/finish sends)": [("runtime.py", "reap_sends"),
-                                             ("runtime.py", "finish_send_of")],
-    "local step (PaciRuntime.local_step)": [("runtime.py", "local_step")],
+    "send bookkeeping (reap/finish sends)": [("handlers.py", "reap_sends"),
+                                             ("handlers.py", "finish_send_of")],
+    "group close (local_step: finish_grads and take_step)": [("local_step.py", "finish_grads"),
+                                                             ("local_step.py", "take_step")],
     "finalize_model_grads": [("finalize_model_grads.py", "finalize_model_grads")],
-    "grads_are_finite": [("runtime.py", "grads_are_finite")],
+    "grads_are_finite": [("local_step.py", "grads_are_finite")],
     "version counters (keep_version_counters)": [("autograd_versions.py", "keep_version_counters")],
     "optimizer.step": [("optimizer.py", "step")],
     "LR step": [("optimizer_param_scheduler.py", "step")],
@@ -68,7 +69,8 @@ PROFILE_ROWS = {
 }
 # rows that add up to one function each (several functions listed are summed, not maxed)
 SUMMED_ROWS = {"drift bookkeeping (DriftStats)", "send bookkeeping (reap/finish sends)",
-               "forward_backward (PACI: with its local step)"}
+               "forward_backward (PACI: with its local step)",
+               "group close (local_step: finish_grads and take_step)"}
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,8 @@ from datetime import timedelta
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .executor import DriftStats, StageExecutor
-from .schedule import (RECV_OPS, SEND_OPS, Action, Op, Schedule, channel, drift_bound, peer,
-                       plan_stream)
+from .schedule import (RECV_OPS, SEND_OPS, Action, Op, Schedule, channel, peer, plan_stream)
+from .shape import drift_bound
 from .simulate import Costs, Event, NcclModel, run_lockstep, run_stream_nccl
 
 KINDS = ("flush", "paci")
@@ -80,70 +80,6 @@ def _tag(action: Action) -> int:
 TIED_GRAD_TAG, TIED_WEIGHT_TAG = 2, 3
 
 
-class TiedMessages:
-    """--tied: the tied-embedding traffic between stage 0 and the last stage, at the moments
-    the runtime has it (mcore/tied.py). PACI: the last stage sends its output-layer gradient
-    after each closing backward, stage 0 receives it before its step and sends its weight
-    after it, the last stage receives that weight at its step ``lag`` steps later and the rest
-    at the end (the drain). Flush (stock): an all-reduce of the gradient between the two at
-    every step."""
-
-    def __init__(self, stage: int, num_stages: int, kind: str, accumulation: int, side: int,
-                 group):
-        import math
-
-        self.stage, self.last = stage, num_stages - 1
-        self.kind, self.accumulation, self.side, self.group = kind, accumulation, side, group
-        self.lag = math.ceil(num_stages / accumulation)
-        self.steps = 0
-        self.received = 0
-        self.pending: list = []
-
-    def _tensor(self):
-        import torch
-
-        return torch.zeros((self.side, self.side))
-
-    def after_backward(self, mb: int) -> None:
-        import torch.distributed as dist
-
-        if self.kind == "paci" and self.stage == self.last and (mb + 1) % self.accumulation == 0:
-            grad = self._tensor()
-            self.pending.append((dist.isend(grad, dst=0, tag=TIED_GRAD_TAG), grad))
-
-    def before_step(self) -> None:
-        import torch.distributed as dist
-
-        if self.kind == "paci" and self.stage == 0:
-            dist.irecv(self._tensor(), src=self.last, tag=TIED_GRAD_TAG).wait()
-        elif self.kind != "paci":
-            dist.all_reduce(self._tensor(), group=self.group)
-
-    def after_step(self) -> None:
-        import torch.distributed as dist
-
-        if self.kind == "paci" and self.stage == 0:
-            weight = self._tensor()
-            self.pending.append((dist.isend(weight, dst=self.last, tag=TIED_WEIGHT_TAG), weight))
-        elif self.kind == "paci" and self.steps >= self.lag:
-            self._receive(self.steps - self.lag + 1)
-        self.steps += 1
-
-    def _receive(self, upto: int) -> None:
-        import torch.distributed as dist
-
-        while self.received < upto:
-            dist.irecv(self._tensor(), src=0, tag=TIED_WEIGHT_TAG).wait()
-            self.received += 1
-
-    def finish(self) -> None:
-        if self.kind == "paci" and self.stage == self.last:
-            self._receive(self.steps)
-        for work, _ in self.pending:
-            work.wait()
-        self.pending.clear()
-
-
 class SleepStage:
     """Executor handlers: compute is a sleep, communication is real gloo P2P.
 
@@ -151,29 +87,50 @@ class SleepStage:
     when the receiver posts its receive, so waiting on it at once would deadlock 1F1B's
     crossing send/receive pattern. Each payload carries its micro-batch id, which the receiver
     checks, so a mismatched message fails loudly instead of skewing the timings.
+
+    Tied embeddings (``bench.tied_side``): PACI's lists carry the tied-weight messages
+    (SG/RG, SW/RW, as ``mcore/tied.py`` sends them); the flush baseline all-reduces the tied
+    gradient at every R over ``tied_group``, as stock does.
     """
 
-    def __init__(self, stage: int, bench: Bench, tied: Optional[TiedMessages] = None):
-        self.stage = stage
+    def __init__(self, stage: int, num_stages: int, bench: Bench, tied_group=None):
+        self.stage, self.last = stage, num_stages - 1
         self.bench = bench
-        self.tied = tied
+        self.tied_group = tied_group  # flush with tied embeddings: stage 0 and the last stage
         self.pending: list = []  # (Work, tensor): the tensor must outlive the send
         self.spans: List[Span] = []
+        self.steps = self.weights_received = 0  # the last stage's drain takes the rest
 
     def forward(self, mb: int) -> None:
         self._sleep(f"F{mb}", "compute", self.bench.forward_s)
 
     def backward(self, mb: int) -> None:
         self._sleep(f"B{mb}", "compute", self.bench.backward_s)
-        if self.tied is not None:
-            self.tied.after_backward(mb)
+
+    def reduce(self, mb: int) -> None:
+        start = time.perf_counter()
+        if self.tied_group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(self._tied_tensor(), group=self.tied_group)
+        self.spans.append((f"R{mb}", "reduce", start, time.perf_counter()))
 
     def step(self, mb: int) -> None:
-        if self.tied is not None:
-            self.tied.before_step()
         self._sleep(f"T{mb}", "step", self.bench.step_s)
-        if self.tied is not None:
-            self.tied.after_step()
+        self.steps += 1
+
+    def send_tied_grad(self, mb: int) -> None:
+        self._send_tied(f"SG{mb}", 0, TIED_GRAD_TAG)
+
+    def send_tied_weight(self, mb: int) -> None:
+        self._send_tied(f"SW{mb}", self.last, TIED_WEIGHT_TAG)
+
+    def recv_tied_grad(self, mb: int) -> None:
+        self._recv_tied(f"RG{mb}", self.last, TIED_GRAD_TAG)
+
+    def recv_tied_weight(self, mb: int) -> None:
+        self._recv_tied(f"RW{mb}", 0, TIED_WEIGHT_TAG)
+        self.weights_received += 1
 
     def communicate(self, actions: Sequence[Action]) -> None:
         start = time.perf_counter()
@@ -188,9 +145,12 @@ class SleepStage:
                                    f"{int(buf[0, 0])}")
         self.spans.append((" ".join(map(str, actions)), "comm", start, time.perf_counter()))
 
-    def finish(self) -> None:
-        if self.tied is not None:
-            self.tied.finish()
+    def finish(self, tied_drain: bool = False) -> None:
+        """Wait for every send; ``tied_drain`` (PACI's last stage, tied): first take stage 0's
+        weights that no step installed yet, as a drain does."""
+        while tied_drain and self.weights_received < self.steps:
+            self._recv_tied(None, 0, TIED_WEIGHT_TAG)
+            self.weights_received += 1
         for work, _ in self.pending:
             work.wait()
         self.pending.clear()
@@ -200,6 +160,26 @@ class SleepStage:
         if seconds > 0:
             time.sleep(seconds)
         self.spans.append((name, category, start, time.perf_counter()))
+
+    def _tied_tensor(self):
+        import torch
+
+        return torch.zeros((self.bench.tied_side,) * 2)
+
+    def _send_tied(self, name: str, dst: int, tag: int) -> None:
+        import torch.distributed as dist
+
+        start, tensor = time.perf_counter(), self._tied_tensor()
+        self.pending.append((dist.isend(tensor, dst=dst, tag=tag), tensor))
+        self.spans.append((name, "tied", start, time.perf_counter()))
+
+    def _recv_tied(self, name: Optional[str], src: int, tag: int) -> None:
+        import torch.distributed as dist
+
+        start = time.perf_counter()
+        dist.irecv(self._tied_tensor(), src=src, tag=tag).wait()
+        if name is not None:
+            self.spans.append((name, "tied", start, time.perf_counter()))
 
     def _isend(self, act: Action) -> tuple:
         import torch
@@ -221,13 +201,11 @@ def measure_stage(stage: int, num_stages: int, kind: str, microbatches: int,
     """Run W + K calls of one schedule on this stage; time the last K."""
     import torch.distributed as dist
 
-    plan = plan_stream(kind, num_stages, microbatches, microbatches)
+    plan = plan_stream(kind, num_stages, microbatches, microbatches, tied=bool(bench.tied_side))
     # The executor enforces the drift bound, so the benchmark also checks what it runs.
     bound = drift_bound(num_stages, stage, microbatches) if kind == "paci" else 0
-    tied = None
-    if bench.tied_side and num_stages > 1 and stage in (0, num_stages - 1):
-        tied = TiedMessages(stage, num_stages, kind, microbatches, bench.tied_side, tied_group)
-    handlers = SleepStage(stage, bench, tied)
+    stock_tied = bench.tied_side and kind != "paci" and stage in (0, num_stages - 1)
+    handlers = SleepStage(stage, num_stages, bench, tied_group if stock_tied else None)
     executor = StageExecutor(stage, handlers, DriftStats(stage, bound))
     dist.barrier()  # all stages start the schedule together
     for k in range(bench.warmup):
@@ -236,7 +214,8 @@ def measure_stage(stage: int, num_stages: int, kind: str, microbatches: int,
     for k in range(bench.warmup, bench.calls):
         executor.run(plan.call(k)[stage])
     elapsed = time.perf_counter() - start
-    handlers.finish()
+    handlers.finish(tied_drain=bool(bench.tied_side) and kind == "paci"
+                    and stage == num_stages - 1 and num_stages > 1)
     dist.barrier()  # nobody starts the next schedule while a peer still sends this one's
     return {"elapsed": elapsed, "spans": handlers.spans}
 
@@ -300,13 +279,15 @@ def measure(num_stages: int, microbatches: Sequence[int],
 
 # --- simulation of the same action lists ---------------------------------------------------
 
-def stream_schedule(kind: str, num_stages: int, microbatches: int, calls: int) -> Schedule:
+def stream_schedule(kind: str, num_stages: int, microbatches: int, calls: int,
+                    tied: bool = False) -> Schedule:
     """The calls 0..calls-1 of the stream, concatenated per stage: what each stage ran."""
-    plan = plan_stream(kind, num_stages, microbatches, microbatches)
+    plan = plan_stream(kind, num_stages, microbatches, microbatches, tied)
     lists = tuple(
         tuple(act for k in range(calls) for act in plan.call(k)[s]) for s in range(num_stages)
     )
-    return Schedule(f"{kind}-stream", num_stages, microbatches, calls * microbatches, lists)
+    return Schedule(f"{kind}-stream", num_stages, microbatches, calls * microbatches, lists,
+                    plan.tied)
 
 
 def simulate_stream(kind: str, num_stages: int, microbatches: int, bench: Bench,
@@ -318,10 +299,11 @@ def simulate_stream(kind: str, num_stages: int, microbatches: int, bench: Bench,
     (NCCL's pairing rules) rather than ``simulate``: a PACI stream cut after a call still has
     forwards in flight, which ``simulate``'s whole-schedule checks reject by design.
     """
-    plan = plan_stream(kind, num_stages, microbatches, microbatches)
+    tied = bool(bench.tied_side)
+    plan = plan_stream(kind, num_stages, microbatches, microbatches, tied)
     if nccl is None:
-        sched = stream_schedule(kind, num_stages, microbatches, bench.calls)
-        events = run_lockstep(sched, costs or bench.costs())
+        sched = stream_schedule(kind, num_stages, microbatches, bench.calls, tied)
+        events = run_lockstep(sched, costs or bench.costs(), open_weights=True)
     else:
         events = run_stream_nccl(plan, bench.calls, costs or bench.costs(), nccl)
     worst = 0.0

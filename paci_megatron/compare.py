@@ -126,13 +126,13 @@ def run_shape(name: str, flags: Sequence[str], nproc: int) -> tta.RunShape:
     if unknown:
         raise CompareError(f"run {name}: unknown training flags {unknown}")
     try:
-        validate(args, nproc)
+        cfg = validate(args, nproc)
     except ConfigError as exc:
         raise CompareError(f"run {name}: {exc}") from None
     return tta.RunShape(
         schedule=args.pipeline_schedule, num_stages=args.pipeline_model_parallel_size,
-        microbatches=args.num_microbatches, accumulation=args.paci_accumulation_factor,
-        sync_iters=args.paci_sync_iters,
+        microbatches=args.num_microbatches, accumulation=cfg.accumulation,
+        sync_iters=cfg.sync_iters,
         virtual_chunks=args.virtual_pipeline_model_parallel_size or 1)
 
 

@@ -9,7 +9,7 @@ state and on what it received, in order), so the first valid one is taken.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Deque, Dict, List, Sequence, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from .schedule import RECV_OPS, SEND_OPS, Action, channel
 
@@ -20,12 +20,15 @@ class EmulationDeadlock(RuntimeError):
     """No stage can make progress: the lists cannot run together."""
 
 
-def global_order(stage_lists: Sequence[Sequence[Action]]) -> List[Tuple[int, Action]]:
+def global_order(stage_lists: Sequence[Sequence[Action]],
+                 sent: Optional[Dict[Channel, Deque[int]]] = None) -> List[Tuple[int, Action]]:
     """Every stage's actions interleaved into one sequence in which each receive comes after
     its matching send (same channel, same micro-batch, in order). Runs each stage as far as
-    it can, round robin; raises EmulationDeadlock when none can move."""
-    position = [0] * len(stage_lists)
-    sent: Dict[Channel, Deque[int]] = {}
+    it can, round robin; raises EmulationDeadlock when none can move. ``sent`` holds the
+    messages in transit and carries over between calls (the tied weight crosses them)."""
+    P = len(stage_lists)
+    position = [0] * P
+    sent = {} if sent is None else sent
     order: List[Tuple[int, Action]] = []
     while any(p < len(acts) for p, acts in zip(position, stage_lists)):
         moved = False
@@ -33,16 +36,16 @@ def global_order(stage_lists: Sequence[Sequence[Action]]) -> List[Tuple[int, Act
             while position[stage] < len(acts):
                 act = acts[position[stage]]
                 if act.op in RECV_OPS:
-                    queue = sent.get(channel(stage, act))
+                    queue = sent.get(channel(stage, act, P))
                     if not queue:
                         break
                     mb = queue.popleft()
                     if mb != act.mb:
                         raise EmulationDeadlock(
                             f"stage {stage} expects {act} but the next message on its channel "
-                            f"{channel(stage, act)} carries micro-batch {mb}")
+                            f"{channel(stage, act, P)} carries micro-batch {mb}")
                 elif act.op in SEND_OPS:
-                    sent.setdefault(channel(stage, act), deque()).append(act.mb)
+                    sent.setdefault(channel(stage, act, P), deque()).append(act.mb)
                 order.append((stage, act))
                 position[stage] += 1
                 moved = True
@@ -54,7 +57,8 @@ def global_order(stage_lists: Sequence[Sequence[Action]]) -> List[Tuple[int, Act
 
 
 def run_global(stage_lists: Sequence[Sequence[Action]],
-               run_action: Callable[[int, Action], None]) -> None:
+               run_action: Callable[[int, Action], None],
+               sent: Optional[Dict[Channel, Deque[int]]] = None) -> None:
     """Call ``run_action(stage, action)`` for every action, in one valid global order."""
-    for stage, act in global_order(stage_lists):
+    for stage, act in global_order(stage_lists, sent):
         run_action(stage, act)

@@ -10,18 +10,36 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, Iterator, List, Optional, Protocol, Sequence
 
-from .schedule import COMPUTE_OPS, Action, Op
+from .schedule import Action, Op, work_items
 
 
 class Handlers(Protocol):
+    """One method per kind of action (the tied ones only where the lists have them)."""
+
     def forward(self, mb: int) -> None: ...
 
     def backward(self, mb: int) -> None: ...
 
     def communicate(self, actions: Sequence[Action]) -> None:
-        """Post the sends and complete the receives of consecutive communication actions."""
+        """Post the sends and complete the receives of consecutive point-to-point actions."""
+
+    def reduce(self, mb: int) -> None:
+        """Finish the group's gradients: the data-parallel sync (stage-local)."""
 
     def step(self, mb: int) -> None: ...
+
+    def send_tied_grad(self, mb: int) -> None: ...
+
+    def recv_tied_grad(self, mb: int) -> None: ...
+
+    def send_tied_weight(self, mb: int) -> None: ...
+
+    def recv_tied_weight(self, mb: int) -> None: ...
+
+
+HANDLER_OF = {Op.REDUCE: "reduce", Op.SEND_TIED_GRAD: "send_tied_grad",
+              Op.RECV_TIED_GRAD: "recv_tied_grad", Op.SEND_TIED_WEIGHT: "send_tied_weight",
+              Op.RECV_TIED_WEIGHT: "recv_tied_weight"}
 
 
 class DriftBoundExceeded(RuntimeError):
@@ -94,8 +112,9 @@ def _context(actions: Sequence[Action], index: int, radius: int = 4) -> str:
 
 
 class StageExecutor:
-    """Executes a stage's actions in order; consecutive communication actions go together to
-    ``Handlers.communicate`` (Megatron's fused send/recv, needed by NCCL to avoid deadlock)."""
+    """Executes a stage's actions in order, one work item at a time (``schedule.work_items``:
+    consecutive point-to-point actions go together to ``Handlers.communicate``, Megatron's
+    fused send/recv, which NCCL needs to avoid deadlock)."""
 
     def __init__(self, stage: int, handlers: Handlers, drift: DriftStats):
         self.stage = stage
@@ -103,37 +122,33 @@ class StageExecutor:
         self.drift = drift
 
     def run(self, actions: Sequence[Action]) -> None:
-        i = 0
-        while i < len(actions):
-            j = i + 1
-            if actions[i].op not in COMPUTE_OPS and actions[i].op is not Op.STEP:
-                while j < len(actions) and actions[j].op not in COMPUTE_OPS \
-                        and actions[j].op is not Op.STEP:
-                    j += 1
+        index = 0
+        for item in work_items(actions):
             try:
-                self._dispatch(actions[i:j])
+                self._dispatch(item)
             except (DriftBoundExceeded, ExecutionError):
                 raise
             except Exception as exc:
                 raise ExecutionError(
-                    f"stage {self.stage} failed at {actions[i]}: {type(exc).__name__}: {exc}\n"
-                    f"  stage {self.stage} actions: {_context(actions, i)}"
+                    f"stage {self.stage} failed at {actions[index]}: {type(exc).__name__}: {exc}"
+                    f"\n  stage {self.stage} actions: {_context(actions, index)}"
                 ) from exc
-            i = j
+            index += len(item) if isinstance(item, tuple) else 1
 
-    def _dispatch(self, group: Sequence[Action]) -> None:
-        act = group[0]
-        if act.op is Op.FORWARD:
-            self.drift.on_forward(act.mb)
-            self.handlers.forward(act.mb)
-        elif act.op is Op.BACKWARD:
-            self.drift.on_backward(act.mb)
-            self.handlers.backward(act.mb)
-        elif act.op is Op.STEP:
-            self.handlers.step(act.mb)
+    def _dispatch(self, item) -> None:
+        if isinstance(item, tuple):
+            self.handlers.communicate(item)
+        elif item.op is Op.FORWARD:
+            self.drift.on_forward(item.mb)
+            self.handlers.forward(item.mb)
+        elif item.op is Op.BACKWARD:
+            self.drift.on_backward(item.mb)
+            self.handlers.backward(item.mb)
+        elif item.op is Op.STEP:
+            self.handlers.step(item.mb)
             self.drift.on_step()
         else:
-            self.handlers.communicate(group)
+            getattr(self.handlers, HANDLER_OF[item.op])(item.mb)
 
 
 class ReplayIterator:

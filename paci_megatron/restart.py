@@ -38,9 +38,12 @@ def restart_count(environ: Mapping[str, str]) -> int:
     return int(text) if text.isdigit() else 0
 
 
-def run_fingerprint(args) -> Dict:
-    """What a checkpoint records about the run that wrote it (see RUN_FLAGS)."""
-    return {attr: getattr(args, attr, None) for attr, _ in RUN_FLAGS}
+def run_fingerprint(args, cfg) -> Dict:
+    """What a checkpoint records about the run that wrote it (see RUN_FLAGS); the accumulation
+    factor as resolved (``cfg``: a ``config.PaciConfig``)."""
+    found = {attr: getattr(args, attr, None) for attr, _ in RUN_FLAGS}
+    found["paci_accumulation_factor"] = cfg.accumulation
+    return found
 
 
 def describe_mismatch(saved: Optional[Mapping], current: Mapping) -> List[str]:

@@ -6,9 +6,9 @@
 The script runs as ``__main__`` (see ``run_as_main``) with its folder on ``sys.path``, after
 this module installed version-guarded hooks from ``paci_megatron.patches.megatron_lm``:
 
-* always: the flags ``--pipeline-schedule {1f1b,interleaved,paci}`` (default ``1f1b``),
-  ``--paci-accumulation-factor``, ``--paci-max-drift``, ``--paci-on-nonfinite`` in Megatron-LM's
-  argument parser (so ``--help`` lists them);
+* always: PACI's flags (``config.paci_flags``, the table ``pretrain_gpt_paci.py`` uses too;
+  ``--pipeline-schedule`` defaults to ``1f1b`` here) in Megatron-LM's argument parser (so
+  ``--help`` lists them), checked by the same validator before any process group starts;
 * ``1f1b`` / ``interleaved``: nothing else; Megatron-LM's training runs as without this module;
 * ``paci``: the PACI runtime in Megatron-LM's training loop (see ``PaciTrainingHooks``);
 * without CUDA (any schedule): megatron-core's and Megatron-LM's CPU/gloo patches
@@ -35,112 +35,78 @@ import sys
 import types
 from typing import List, Optional, Sequence
 
-from .arguments import check_loss_scales
 from .autograd_versions import ZERO_CENTERED_GAMMA
+from .config import (Layout, PaciConfig, add_paci_arguments, rampup_micro_batches,
+                     refuse_paci_flags, resolve)
+from .flag import ConfigError
 from .quiet import fallback_notice
 from .restart import restart_count
 
 USAGE = ("usage: python -m paci_megatron.run path/to/Megatron-LM/pretrain_gpt.py "
-         "[Megatron-LM flags] [--pipeline-schedule {1f1b,interleaved,paci}] "
-         "[--paci-accumulation-factor A] [--paci-max-drift D] [--paci-on-nonfinite {skip,abort}]")
+         "[Megatron-LM flags] [--pipeline-schedule {1f1b,interleaved,paci}] [--paci-... flags]")
 
 
 def _rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def validate_flags(args: argparse.Namespace) -> None:
-    """PACI's flags against Megatron-LM's parsed ones (before any process group exists).
-    Raises ValueError with the flag and the fix; ``1f1b`` is never checked (stock)."""
-    schedule = args.pipeline_schedule
-    paci_flags = [flag for flag, value in (
-        ("--paci-accumulation-factor", args.paci_accumulation_factor),
-        ("--paci-max-drift", args.paci_max_drift),
-        ("--paci-stale-grad-weight", args.paci_stale_grad_weight),
-        ("--paci-stale-grad-correction", args.paci_stale_grad_correction)) if value is not None]
-    if schedule != "paci" and paci_flags:
-        verb = "apply" if len(paci_flags) > 1 else "applies"
-        raise ValueError(f"{', '.join(paci_flags)} only {verb} to --pipeline-schedule paci "
-                         f"(got --pipeline-schedule {schedule})")
-    if schedule == "1f1b":
-        return
-    virtual = (args.num_layers_per_virtual_pipeline_stage is not None
-               or args.num_virtual_stages_per_pipeline_rank is not None)
-    pp = args.pipeline_model_parallel_size
-    if schedule == "interleaved":
-        if not virtual or pp < 2:
-            raise ValueError("--pipeline-schedule interleaved needs --pipeline-model-parallel-size"
-                             " >= 2 and --num-layers-per-virtual-pipeline-stage (Megatron-LM "
-                             "picks the interleaved schedule from those)")
-        return
-    # paci
-    if virtual:
-        raise ValueError("--pipeline-schedule paci does not support virtual pipeline stages; "
-                         "drop --num-layers-per-virtual-pipeline-stage / "
-                         "--num-virtual-stages-per-pipeline-rank")
-    if getattr(args, "fp16", False):  # each stage's own scaler; gradients carry the scale
-        check_loss_scales(args)
-    tied = pp > 1 and not args.untie_embeddings_and_output_weights
-    if tied and getattr(args, "use_distributed_optimizer", False):
-        raise ValueError("--pipeline-schedule paci with tied embeddings does not support "
-                         "--use-distributed-optimizer yet; drop it or add "
-                         "--untie-embeddings-and-output-weights")
-    if tied and getattr(args, "overlap_grad_reduce", False):
-        raise ValueError("--pipeline-schedule paci with tied embeddings does not support "
-                         "--overlap-grad-reduce yet (the output-layer gradient is sent before "
-                         "the data-parallel reduction); drop it or add "
-                         "--untie-embeddings-and-output-weights")
-    if tied and getattr(args, "fp16", False):
-        raise ValueError("--pipeline-schedule paci with tied embeddings does not support --fp16 "
-                         "yet (the output layer's gradient reaches stage 0 at the last stage's "
-                         "loss scale); use --bf16, or add --untie-embeddings-and-output-weights")
-    check_rampup(args)
-    check_stale_grad_weight(args)
-    check_stale_grad_correction(args)
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """PACI's flags in Megatron-LM's parser: the same table as pretrain_gpt_paci.py's, with
+    Megatron-LM's own schedule (1f1b) as the default, so that nothing changes unasked."""
+    return add_paci_arguments(parser, schedule_default="1f1b",
+                              title="PACI pipeline schedule (paci_megatron.run)")
+
+
+def parse_paci_arguments(argv: Sequence[str]) -> argparse.Namespace:
+    """PACI's flags from a full command line (the rest is left to Megatron-LM's parser)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_arguments(parser)
+    known, _rest = parser.parse_known_args(list(argv))
+    return known
+
+
+def megatron_lm_layout(args, num_microbatches: Optional[int] = None) -> Layout:
+    """What PACI's checks need, from Megatron-LM's parsed flags (before its validate_args:
+    the data-parallel size as it will derive it, world / (TP x PP x CP))."""
+    pp = args.pipeline_model_parallel_size or 1
+    model_parallel = (args.tensor_model_parallel_size * pp
+                      * (getattr(args, "context_parallel_size", 1) or 1))
+    dp = max(1, getattr(args, "world_size", 1) // model_parallel)
+    per_step = args.micro_batch_size * dp
+    final = args.global_batch_size or per_step
+    ramp = rampup_micro_batches(getattr(args, "rampup_batch_size", None), final, per_step,
+                                round_down=getattr(args, "decrease_batch_size_if_needed", False))
+    virtual = (getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None
+               or getattr(args, "num_virtual_stages_per_pipeline_rank", None) is not None)
+    microbatches = num_microbatches or (ramp[0] if ramp else max(1, final // per_step))
+    return Layout(pipeline_size=pp, microbatches=microbatches,
+                  micro_batch_size=args.micro_batch_size, data_parallel_size=dp,
+                  virtual=virtual, ramp=tuple(ramp),
+                  tied=pp > 1 and not args.untie_embeddings_and_output_weights,
+                  fp16=bool(getattr(args, "fp16", False)),
+                  distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
+                  overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)))
+
+
+def validate_flags(args: argparse.Namespace) -> Optional[PaciConfig]:
+    """PACI's flags against Megatron-LM's parsed ones (before any process group exists), by
+    the same validator as pretrain_gpt_paci.py's, plus Megatron-LM's own stage-crossing
+    flags. Raises ValueError with the flag and the fix. ``1f1b`` is stock Megatron-LM, which
+    picks its schedule itself: nothing but stray PACI flags is checked."""
+    if args.pipeline_schedule == "1f1b":
+        refuse_paci_flags(args, "1f1b")
+        return None
+    cfg = resolve(args, megatron_lm_layout(args))
+    if args.pipeline_schedule != "paci":
+        return cfg
     rerun_mode = getattr(args, "rerun_mode", "disabled")
     if rerun_mode not in ("disabled", "validate_results"):
-        raise ValueError(f"--pipeline-schedule paci cannot re-run iterations (micro-batches stay "
-                         f"in flight across them); drop --rerun-mode {rerun_mode}")
+        raise ConfigError(f"--pipeline-schedule paci cannot re-run iterations (micro-batches "
+                          f"stay in flight across them); drop --rerun-mode {rerun_mode}")
     if getattr(args, "apply_layernorm_1p", False):
-        raise ValueError(ZERO_CENTERED_GAMMA)
+        raise ConfigError(ZERO_CENTERED_GAMMA)
     refuse_stage_crossing_collectives(args)
-
-
-def check_stale_grad_weight(args: argparse.Namespace) -> None:
-    weight = args.paci_stale_grad_weight
-    if weight is None or weight == 1.0:
-        return
-    if not 0.0 < weight <= 1.0:
-        raise ValueError(f"--paci-stale-grad-weight {weight:g} must be in (0, 1] (1: plain PACI)")
-
-
-def check_stale_grad_correction(args: argparse.Namespace) -> None:
-    strength = args.paci_stale_grad_correction
-    if strength is not None and not 0.0 <= strength < float("inf"):
-        raise ValueError(f"--paci-stale-grad-correction {strength:g} must be a finite number "
-                         ">= 0 (0: off, plain PACI)")
-
-
-def check_rampup(args: argparse.Namespace) -> None:
-    """--rampup-batch-size: PACI drains where the number of micro-batches M changes; an
-    explicit --paci-accumulation-factor must divide every M of the ramp (the default follows
-    M). Data-parallel size as Megatron-LM will derive it (world / (TP x PP x CP))."""
-    from .arguments import check_accumulation_divides, rampup_micro_batches
-
-    rampup = getattr(args, "rampup_batch_size", None)
-    accumulation = args.paci_accumulation_factor
-    if rampup is None or accumulation is None:
-        return
-    model_parallel = (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
-                      * (getattr(args, "context_parallel_size", 1) or 1))
-    per_step = args.micro_batch_size * max(1, getattr(args, "world_size", 1) // model_parallel)
-    start, incr, samples = (int(x) for x in rampup)
-    final = args.global_batch_size or per_step
-    if getattr(args, "decrease_batch_size_if_needed", False):  # Megatron rounds each size down
-        counts = [size // per_step for size in range(start, final + 1, incr)]
-    else:
-        counts = rampup_micro_batches([start, incr, samples], final, per_step)
-    check_accumulation_divides(accumulation, counts, follows=False)
+    return cfg
 
 
 def refuse_stage_crossing_collectives(args: argparse.Namespace) -> None:
@@ -175,42 +141,52 @@ def refuse_stage_crossing_collectives(args: argparse.Namespace) -> None:
                          "the MoE auxiliary losses over the pipeline group at every iteration")
 
 
-def make_runtime(margs, num_microbatches: int):
-    """The PACI runtime for Megatron-LM's parsed args (process groups exist by now)."""
+def make_runtime(margs, num_microbatches: int, optimizer, scheduler):
+    """The PACI runtime for Megatron-LM's parsed args (process groups exist by now), bound to
+    the stage's optimizer and LR scheduler, resumed at the iteration Megatron-LM loaded."""
     from .mcore.checkpoint import writer_queue_dies_with_this_process
-    from .registry import SCHEDULES, ScheduleOptions
-    from .stale_correction import resolve_strength
-    from .stale_weights import resolve_weight
+    from .registry import make_paci_runtime
 
     # a worker killed under torchrun --max-restarts must not leave Megatron's checkpoint
     # writer Manager behind (it holds the job's output pipes open)
     writer_queue_dies_with_this_process()
-
-    accumulation = margs.paci_accumulation_factor or num_microbatches
-    opts = ScheduleOptions(
-        pipeline_size=margs.pipeline_model_parallel_size,
-        virtual_size=margs.virtual_pipeline_model_parallel_size,
-        num_microbatches=num_microbatches, accumulation=accumulation,
-        max_drift=margs.paci_max_drift, micro_batch_size=margs.micro_batch_size,
-        data_parallel_size=margs.data_parallel_size, on_nonfinite=margs.paci_on_nonfinite,
-        stale_grad_weight=resolve_weight(margs.paci_stale_grad_weight, "paci"),
-        stale_grad_correction=resolve_strength(margs.paci_stale_grad_correction, "paci"))
-    entry = SCHEDULES.get("paci")
     try:
-        entry.check(opts)
+        cfg = resolve(margs, megatron_lm_layout(margs, num_microbatches))
     except ValueError as exc:
         raise SystemExit(f"{os.path.basename(sys.argv[0])}: error: {exc}") from None
-    runtime = entry.make(opts)
-    # --rampup-batch-size: without --paci-accumulation-factor, a follows M
-    runtime.accumulation_follows = margs.paci_accumulation_factor is None
+    runtime = make_paci_runtime(cfg)
+    runtime.bind(optimizer, scheduler, lr_increment=cfg.shape.lr_increment)
+    iteration = getattr(margs, "iteration", 0) or 0
+    runtime.resume_at(iteration, local_steps_before(margs, cfg, iteration))
     if margs.rank == 0:
-        print(f"> PACI: accumulation factor {accumulation} of {num_microbatches} micro-batches "
-              f"per iteration ({num_microbatches // accumulation} local steps per stage and "
-              f"iteration), {margs.pipeline_model_parallel_size} stages, stale gradients "
-              f"weighted {opts.stale_grad_weight:g} ** drift"
-              + (f", corrected with the momentum (K={opts.stale_grad_correction:g})"
-                 if opts.stale_grad_correction else ""), flush=True)
+        shape = cfg.shape
+        print(f"> PACI: accumulation factor {'auto from ' if cfg.auto else ''}"
+              f"{shape.accumulation} of {shape.per_call} micro-batches per iteration "
+              f"({shape.steps_per_call} local steps per stage and iteration), "
+              f"{shape.num_stages} stages"
+              + (f", stock 1F1B for the first {shape.sync_iters} iterations" if shape.sync_iters
+                 else "")
+              + (f", {runtime.describe()}" if runtime.describe() else ", plain PACI"),
+              flush=True)
     return runtime
+
+
+def local_steps_before(margs, cfg: PaciConfig, iteration: int) -> int:
+    """Local steps every stage took in Megatron-LM's first ``iteration`` iterations (a
+    --load resumes there)."""
+    if not margs.rampup_batch_size:
+        return cfg.shape.local_steps_before(iteration)
+    from .mcore.build import BatchRamp
+    from .shape import local_steps_ramped
+
+    ramp = BatchRamp([int(x) for x in margs.rampup_batch_size], margs.global_batch_size,
+                     margs.micro_batch_size, margs.data_parallel_size)
+    counts, consumed = [], 0
+    for _ in range(iteration):
+        counts.append(ramp.micro_batches(consumed))
+        consumed += counts[-1] * margs.micro_batch_size * margs.data_parallel_size
+    accumulation = None if cfg.accumulation_follows else cfg.accumulation
+    return local_steps_ramped(counts, accumulation, cfg.shape.sync_iters)
 
 
 def report(runtime) -> None:
@@ -249,14 +225,15 @@ def install(argv: Sequence[str], script: str) -> dict:
     Returns what was installed (for the start-up line and the tests)."""
     from .patches import megatron_lm
 
-    ours = megatron_lm.parse_paci_arguments(argv)
+    ours = parse_paci_arguments(argv)
     megatron_lm.prepare_import_path(os.path.dirname(script))
     versions = megatron_lm.check_megatron_lm()
     cpu = megatron_lm.apply_megatron_lm_cpu_patches()
-    megatron_lm.install_arguments(validate=validate_flags)
+    megatron_lm.install_arguments(add_arguments, validate=validate_flags)
     installed = {"schedule": ours.pipeline_schedule, "cpu_patches": cpu, "hooks": [], **versions}
     if ours.pipeline_schedule == "paci":
-        hooks = megatron_lm.PaciTrainingHooks(make_runtime, report=report)
+        hooks = megatron_lm.PaciTrainingHooks(make_runtime, report=report,
+                                              drain_before_eval=ours.paci_drain_before_eval)
         hooks.log = _log_last_stage(hooks)
         installed["hooks"] = hooks.install()
     return installed

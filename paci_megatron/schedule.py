@@ -5,8 +5,11 @@ Pure Python, no torch. The same lists are checked by ``simulate.py`` and run by
 
 An action is printed like ``F3`` (forward of micro-batch 3), ``B3`` (backward),
 ``SF3``/``RF3`` (send/receive the activation of micro-batch 3 to/from the next/previous
-stage), ``SB3``/``RB3`` (send/receive its gradient to/from the previous/next stage) and
-``T7`` (local optimizer step right after the backward of micro-batch 7).
+stage), ``SB3``/``RB3`` (send/receive its gradient to/from the previous/next stage), ``R7``
+(finish the group closed by the backward of micro-batch 7: its data-parallel gradient sync)
+and ``T7`` (the local optimizer step after it). With tied embeddings (P > 1), ``SG7``/``RG7``
+carry the last stage's output-layer gradient of that group to stage 0, and ``SW7``/``RW7``
+stage 0's tied weight after its step ``T7`` to the last stage.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import math
 import re
 from dataclasses import dataclass
 from enum import Enum
-from typing import Iterable, List, Sequence, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
+
+from .shape import closes_group, drift_bound, tied_lag
 
 
 class Op(str, Enum):
@@ -25,19 +30,35 @@ class Op(str, Enum):
     RECV_F = "RF"
     SEND_B = "SB"
     RECV_B = "RB"
+    REDUCE = "R"
     STEP = "T"
+    SEND_TIED_GRAD = "SG"
+    RECV_TIED_GRAD = "RG"
+    SEND_TIED_WEIGHT = "SW"
+    RECV_TIED_WEIGHT = "RW"
 
 
 COMPUTE_OPS = (Op.FORWARD, Op.BACKWARD)
-SEND_OPS = (Op.SEND_F, Op.SEND_B)
-RECV_OPS = (Op.RECV_F, Op.RECV_B)
-_ACTION_RE = re.compile(r"^(SF|RF|SB|RB|F|B|T)(\d+)$")
+# point to point between neighbouring stages (Megatron's P2PCommunicator), batched into exchanges
+P2P_SENDS = (Op.SEND_F, Op.SEND_B)
+P2P_RECVS = (Op.RECV_F, Op.RECV_B)
+P2P_OPS = P2P_SENDS + P2P_RECVS
+# between stage 0 and the last stage, over the embedding group
+TIED_OPS = (Op.SEND_TIED_GRAD, Op.RECV_TIED_GRAD, Op.SEND_TIED_WEIGHT, Op.RECV_TIED_WEIGHT)
+SEND_OPS = P2P_SENDS + (Op.SEND_TIED_GRAD, Op.SEND_TIED_WEIGHT)
+RECV_OPS = P2P_RECVS + (Op.RECV_TIED_GRAD, Op.RECV_TIED_WEIGHT)
+# what follows the backward that closes a group (after its gradient went back): the group's
+# gradients are finished, stepped, and the tied weight travels
+STEP_BLOCK = (Op.RECV_TIED_GRAD, Op.REDUCE, Op.STEP, Op.SEND_TIED_WEIGHT, Op.RECV_TIED_WEIGHT)
+_ACTION_RE = re.compile(r"^(SF|RF|SB|RB|SG|RG|SW|RW|F|B|R|T)(\d+)$")
 
 
 @dataclass(frozen=True, order=True)
 class Action:
     op: Op
-    mb: int  # micro-batch index; for STEP, the micro-batch whose backward closes the group
+    # micro-batch index; for R, T, SG and SW the micro-batch whose backward closes the group,
+    # for RG the same, for RW the one that closed stage 0's step whose weight it installs
+    mb: int
 
     def __str__(self) -> str:
         return f"{self.op.value}{self.mb}"
@@ -48,7 +69,7 @@ class Action:
     def parse(text: str) -> "Action":
         match = _ACTION_RE.match(text.strip())
         if not match:
-            raise ValueError(f"not an action: {text!r} (expected e.g. F3, B3, SF3, RB3, T7)")
+            raise ValueError(f"not an action: {text!r} (expected e.g. F3, B3, SF3, RB3, R7, T7)")
         return Action(Op(match.group(1)), int(match.group(2)))
 
     def shifted(self, offset: int) -> "Action":
@@ -64,11 +85,12 @@ class Schedule:
     accumulation: int
     num_microbatches: int
     stages: Tuple[Tuple[Action, ...], ...]
+    tied: bool = False  # stage 0 and the last stage exchange a tied weight (SG/RG, SW/RW)
 
     def __str__(self) -> str:
         head = (
             f"{self.name}: P={self.num_stages} a={self.accumulation} "
-            f"M={self.num_microbatches}"
+            f"M={self.num_microbatches}{' tied' if self.tied else ''}"
         )
         rows = [f"  stage {s}: " + " ".join(map(str, acts)) for s, acts in enumerate(self.stages)]
         return "\n".join([head] + rows)
@@ -77,12 +99,8 @@ class Schedule:
     def parse(name: str, accumulation: int, text_rows: Sequence[str]) -> "Schedule":
         stages = tuple(tuple(Action.parse(t) for t in row.split()) for row in text_rows)
         num_mb = 1 + max((a.mb for row in stages for a in row if a.op in COMPUTE_OPS), default=-1)
-        return Schedule(name, len(stages), accumulation, num_mb, stages)
-
-
-def drift_bound(num_stages: int, stage: int, accumulation: int) -> int:
-    """Largest number of local steps between a micro-batch's forward and backward at ``stage``."""
-    return math.ceil((num_stages - 1 - stage) / accumulation)
+        tied = any(a.op in TIED_OPS for row in stages for a in row)
+        return Schedule(name, len(stages), accumulation, num_mb, stages, tied)
 
 
 def check_max_drift(num_stages: int, accumulation: int, max_drift) -> None:
@@ -115,17 +133,35 @@ def _forward_actions(stage: int, num_stages: int, mb: int) -> List[Action]:
     return acts
 
 
-def _backward_actions(stage: int, num_stages: int, mb: int, accumulation: int) -> List[Action]:
-    acts = [] if stage == num_stages - 1 else [Action(Op.RECV_B, mb)]
+def _backward_actions(stage: int, num_stages: int, mb: int, accumulation: int,
+                      tied: bool) -> List[Action]:
+    """RB, B, SB, and after the backward that closes a group: R, T. Tied: the last stage
+    sends the group's output-layer gradient right after its backward (SG) and installs stage
+    0's weight of L = tied_lag steps earlier after its step (RW); stage 0 adds that gradient
+    before its R (RG) and sends its weight after its T (SW)."""
+    first, last = stage == 0, stage == num_stages - 1
+    acts = [] if last else [Action(Op.RECV_B, mb)]
     acts.append(Action(Op.BACKWARD, mb))
-    if stage > 0:
+    closes = closes_group(mb, accumulation)
+    if tied and last and closes:
+        acts.append(Action(Op.SEND_TIED_GRAD, mb))
+    if not first:
         acts.append(Action(Op.SEND_B, mb))
-    if (mb + 1) % accumulation == 0:
-        acts.append(Action(Op.STEP, mb))
+    if not closes:
+        return acts
+    if tied and first:
+        acts.append(Action(Op.RECV_TIED_GRAD, mb))
+    acts += [Action(Op.REDUCE, mb), Action(Op.STEP, mb)]
+    if tied and first:
+        acts.append(Action(Op.SEND_TIED_WEIGHT, mb))
+    lag_mbs = tied_lag(num_stages, accumulation) * accumulation
+    if tied and last and mb >= lag_mbs:
+        acts.append(Action(Op.RECV_TIED_WEIGHT, mb - lag_mbs))
     return acts
 
 
-def _one_f_one_b(stage: int, num_stages: int, mbs: Sequence[int], accumulation: int) -> List[Action]:
+def _one_f_one_b(stage: int, num_stages: int, mbs: Sequence[int], accumulation: int,
+                 tied: bool = False) -> List[Action]:
     """1F1B over ``mbs``: P-1-s warm-up forwards, then alternate, then drain the rest."""
     warmup = min(num_stages - 1 - stage, len(mbs))
     acts: List[Action] = []
@@ -134,13 +170,14 @@ def _one_f_one_b(stage: int, num_stages: int, mbs: Sequence[int], accumulation: 
     for i, mb in enumerate(mbs):
         if i + warmup < len(mbs):
             acts += _forward_actions(stage, num_stages, mbs[i + warmup])
-        acts += _backward_actions(stage, num_stages, mb, accumulation)
+        acts += _backward_actions(stage, num_stages, mb, accumulation, tied)
     return acts
 
 
 def receive_before_step(actions: Sequence[Action]) -> List[Action]:
     """Move the receive of the next forward input from just after a local step to just before
-    it: ``B j SB j T j RF k`` becomes ``B j SB j RF k T j``.
+    the group's gradients are finished: ``B j SB j R j T j RF k`` becomes
+    ``B j SB j RF k R j T j``.
 
     ``SB j`` and ``RF k`` then form one exchange (Megatron's send_backward_recv_forward), the
     partner of the previous stage's ``SF k``+``RB j``. With NCCL that partner exchange completes
@@ -149,33 +186,50 @@ def receive_before_step(actions: Sequence[Action]) -> List[Action]:
     time the receive buffer is posted changes; F k still runs after the step.
     """
     out = list(actions)
-    for i in range(len(out) - 1):
-        if out[i].op is Op.STEP and out[i + 1].op is Op.RECV_F:
-            out[i], out[i + 1] = out[i + 1], out[i]
+    for i, act in enumerate(out):
+        if act.op is Op.RECV_F:
+            j = i
+            while j > 0 and out[j - 1].op in STEP_BLOCK:
+                j -= 1
+            out.insert(j, out.pop(i))
     return out
 
 
-def build_paci(num_stages: int, accumulation: int, num_microbatches: int) -> Schedule:
+def _trailing_tied_receives(num_stages: int, accumulation: int, num_microbatches: int
+                            ) -> List[Action]:
+    """The end of a finite run (a drain): the last stage receives the weights of stage 0's
+    last L steps, which no later step of its own installs."""
+    steps = num_microbatches // accumulation
+    first = max(0, steps - tied_lag(num_stages, accumulation))
+    return [Action(Op.RECV_TIED_WEIGHT, (g + 1) * accumulation - 1) for g in range(first, steps)]
+
+
+def build_paci(num_stages: int, accumulation: int, num_microbatches: int,
+               tied: bool = False) -> Schedule:
     """PACI: one 1F1B stream that never flushes; each stage steps after every a-th backward.
 
     Stage s keeps P-1-s forwards ahead of its backwards, so it holds at most P-s micro-batches
     in flight, and a micro-batch sees at most ceil((P-1-s)/a) local steps between its forward
     and its backward there. No exchange a neighbour waits on sits behind a step
     (``receive_before_step``), so the lists are safe under NCCL's pairing rules
-    (``simulate.run_nccl``).
+    (``simulate.run_nccl``). ``tied`` (P > 1): the tied-weight exchange of ``mcore/tied.py``.
     """
     check_params(num_stages, accumulation, num_microbatches)
+    tied = tied and num_stages > 1
     mbs = list(range(num_microbatches))
-    stages = tuple(
-        tuple(receive_before_step(_one_f_one_b(s, num_stages, mbs, accumulation)))
-        for s in range(num_stages)
-    )
-    return Schedule("paci", num_stages, accumulation, num_microbatches, stages)
+    stages = [receive_before_step(_one_f_one_b(s, num_stages, mbs, accumulation, tied))
+              for s in range(num_stages)]
+    if tied:
+        stages[-1] += _trailing_tied_receives(num_stages, accumulation, num_microbatches)
+    return Schedule("paci", num_stages, accumulation, num_microbatches,
+                    tuple(map(tuple, stages)), tied)
 
 
-def build_flush(num_stages: int, accumulation: int, num_microbatches: int) -> Schedule:
+def build_flush(num_stages: int, accumulation: int, num_microbatches: int,
+                tied: bool = False) -> Schedule:
     """The synchronous baseline: stock 1F1B over each group of a micro-batches, drained
-    before every step (what Megatron-Core does with num_microbatches = a per iteration)."""
+    before every step (what Megatron-Core does with num_microbatches = a per iteration).
+    Tied weights stay equal through stock's all-reduce inside R: no tied messages."""
     check_params(num_stages, accumulation, num_microbatches)
     stages = []
     for s in range(num_stages):
@@ -190,27 +244,57 @@ def build_flush(num_stages: int, accumulation: int, num_microbatches: int) -> Sc
 SCHEDULE_BUILDERS = {"paci": build_paci, "flush": build_flush}
 
 
-def build(kind: str, num_stages: int, accumulation: int, num_microbatches: int) -> Schedule:
+def build(kind: str, num_stages: int, accumulation: int, num_microbatches: int,
+          tied: bool = False) -> Schedule:
     try:
         builder = SCHEDULE_BUILDERS[kind]
     except KeyError:
         raise ValueError(f"unknown schedule kind {kind!r}; known: {sorted(SCHEDULE_BUILDERS)}")
-    return builder(num_stages, accumulation, num_microbatches)
+    return builder(num_stages, accumulation, num_microbatches, tied)
 
 
-# --- cutting the stream into calls --------------------------------------------------------
+# --- who talks to whom ----------------------------------------------------------------------
 
-def peer(stage: int, op: Op) -> int:
-    """The stage on the other end of a communication action."""
+def peer(stage: int, op: Op, num_stages: Optional[int] = None) -> int:
+    """The stage on the other end of a communication action (``num_stages`` for tied ones)."""
+    if op in TIED_OPS:
+        if num_stages is None:
+            raise ValueError(f"the peer of {op.value} needs the number of stages")
+        return num_stages - 1 if stage == 0 else 0
     return stage + 1 if op in (Op.SEND_F, Op.RECV_B) else stage - 1
 
 
-def channel(stage: int, action: Action) -> Tuple[int, int, str]:
-    """(sender, receiver, direction) of a communication action."""
-    direction = "F" if action.op in (Op.SEND_F, Op.RECV_F) else "B"
-    if action.op in SEND_OPS:
-        return (stage, peer(stage, action.op), direction)
-    return (peer(stage, action.op), stage, direction)
+_DIRECTION = {Op.SEND_F: "F", Op.RECV_F: "F", Op.SEND_B: "B", Op.RECV_B: "B",
+              Op.SEND_TIED_GRAD: "G", Op.RECV_TIED_GRAD: "G",
+              Op.SEND_TIED_WEIGHT: "W", Op.RECV_TIED_WEIGHT: "W"}
+
+
+def channel(stage: int, action: Action, num_stages: Optional[int] = None) -> Tuple[int, int, str]:
+    """(sender, receiver, direction) of a communication action; messages on one channel
+    arrive in the order they were sent."""
+    other = peer(stage, action.op, num_stages)
+    direction = _DIRECTION[action.op]
+    return (stage, other, direction) if action.op in SEND_OPS else (other, stage, direction)
+
+
+# --- what the executor dispatches -----------------------------------------------------------
+
+WorkItem = Union[Action, Tuple[Action, ...]]
+
+
+def work_items(actions: Sequence[Action]) -> List[WorkItem]:
+    """A stage's list as the executor runs it: one item per action, except that consecutive
+    point-to-point actions form one item (handed together to the runtime, which posts them as
+    Megatron's fused exchanges: NCCL needs the pairs posted together to avoid deadlock)."""
+    items: List[WorkItem] = []
+    for act in actions:
+        if act.op not in P2P_OPS:
+            items.append(act)
+        elif items and isinstance(items[-1], tuple):
+            items[-1] += (act,)
+        else:
+            items.append((act,))
+    return items
 
 
 def exchanges(actions: Sequence[Action]) -> List[Tuple[Action, ...]]:
@@ -228,9 +312,15 @@ def exchanges(actions: Sequence[Action]) -> List[Tuple[Action, ...]]:
     return out
 
 
+# --- cutting the stream into calls ----------------------------------------------------------
+
+_CLOSING = (Op.SEND_B, Op.SEND_TIED_GRAD) + STEP_BLOCK
+
+
 def _index_after_backward(actions: Sequence[Action], count: int) -> int:
-    """Index just past the ``count``-th backward and the send/step that close it (with the
-    receive that ``receive_before_step`` put before that step)."""
+    """Index just past the ``count``-th backward and what closes it: its gradient's send and,
+    if it closes a group, the step block (with the receive that ``receive_before_step`` put
+    before that block)."""
     if count == 0:
         return 0
     seen = 0
@@ -239,11 +329,13 @@ def _index_after_backward(actions: Sequence[Action], count: int) -> int:
             seen += 1
             if seen == count:
                 j = i + 1
-                while j < len(actions) and actions[j].op in (Op.SEND_B, Op.STEP):
+                while j < len(actions) and actions[j].op in _CLOSING:
                     j += 1
                 if j + 1 < len(actions) and actions[j].op is Op.RECV_F \
-                        and actions[j + 1] == Action(Op.STEP, act.mb):
-                    j += 2
+                        and actions[j + 1] == Action(Op.REDUCE, act.mb):
+                    j += 1
+                    while j < len(actions) and actions[j].op in STEP_BLOCK:
+                        j += 1
                 return j
     raise ValueError(f"stage has fewer than {count} backward passes")
 
@@ -261,11 +353,11 @@ def cut_points(schedule: Schedule, backwards: int) -> Tuple[int, ...]:
         changed = False
         for s, acts in enumerate(schedule.stages):
             i = cuts[s]
-            if i < len(acts) and acts[i].op in RECV_OPS:
+            if i < len(acts) and acts[i].op in P2P_RECVS:
                 src = peer(s, acts[i].op)
-                sent = [a for a in schedule.stages[src][: cuts[src]] if a.op in SEND_OPS
+                sent = [a for a in schedule.stages[src][: cuts[src]] if a.op in P2P_SENDS
                         and channel(src, a) == channel(s, acts[i])]
-                got = [a for a in acts[:i] if a.op in RECV_OPS and channel(s, a) == channel(s, acts[i])]
+                got = [a for a in acts[:i] if a.op in P2P_RECVS and channel(s, a) == channel(s, acts[i])]
                 if len(sent) > len(got):
                     cuts[s] = i + 1
                     changed = True
@@ -294,11 +386,16 @@ def segments(schedule: Schedule, backwards_per_call: int) -> List[Tuple[Tuple[Ac
 
 
 def _check_closed(segment: Sequence[Sequence[Action]], k: int) -> None:
-    """No message may cross a call boundary: what a call sends, it also receives."""
-    sent = sorted((channel(s, a), a.mb) for s, acts in enumerate(segment) for a in acts
-                  if a.op in SEND_OPS)
-    got = sorted((channel(s, a), a.mb) for s, acts in enumerate(segment) for a in acts
-                 if a.op in RECV_OPS)
+    """No message may cross a call boundary: what a call sends, it also receives. The one
+    exception is the tied weight, which the last stage installs L steps later by design."""
+    P = len(segment)
+
+    def messages(ops):
+        return sorted((channel(s, a, P), a.mb) for s, acts in enumerate(segment) for a in acts
+                      if a.op in ops)
+
+    sent = messages(tuple(op for op in SEND_OPS if op is not Op.SEND_TIED_WEIGHT))
+    got = messages(tuple(op for op in RECV_OPS if op is not Op.RECV_TIED_WEIGHT))
     if sent != got:
         raise ValueError(f"call {k} leaves messages in transit: sent {sent}, received {got}")
 
@@ -322,42 +419,58 @@ def check_per_call(num_microbatches_per_call: int, accumulation: int) -> None:
         )
 
 
+Segment = Tuple[Tuple[Action, ...], ...]
+
+
 @dataclass(frozen=True)
 class StreamPlan:
     """What each stage runs in the k-th call of an endless stream of N micro-batches a call.
 
-    Call 0 starts from an empty pipeline (warm-up); every later call is the same list shifted
-    by N micro-batches. After a call, stage s of PACI holds P-1-s forwards in flight (and, for
-    s > 0, the received input of its next forward); a flush plan holds none.
+    The first calls start from an empty pipeline (warm-up; with tied embeddings also the steps
+    before the last stage installs stage 0's weights); every later call is the same list
+    shifted by N micro-batches. After a call, stage s of PACI holds P-1-s forwards in flight
+    (and, for s > 0, the received input of its next forward); a flush plan holds none.
     """
 
     kind: str
     num_stages: int
     accumulation: int
     per_call: int
-    first: Tuple[Tuple[Action, ...], ...]
-    steady: Tuple[Tuple[Action, ...], ...]
+    first: Tuple[Segment, ...]  # calls 0 .. len(first)-1
+    steady: Segment  # call len(first); call k is it shifted by (k - len(first)) x N
+    tied: bool = False
 
-    def call(self, k: int) -> Tuple[Tuple[Action, ...], ...]:
-        if k == 0:
-            return self.first
-        return shift_segment(self.steady, (k - 1) * self.per_call)
+    def call(self, k: int) -> Segment:
+        if k < len(self.first):
+            return self.first[k]
+        return shift_segment(self.steady, (k - len(self.first)) * self.per_call)
 
     def __str__(self) -> str:
         rows = [f"{self.kind} stream: P={self.num_stages} a={self.accumulation} "
-                f"N={self.per_call} per call"]
-        for title, seg in (("call 0", self.first), ("call k>=1 (k-1)*N later", self.steady)):
+                f"N={self.per_call} per call{' tied' if self.tied else ''}"]
+        k0 = len(self.first)
+        titled = [(f"call {k}", seg) for k, seg in enumerate(self.first)]
+        titled.append((f"call k>={k0} (k-{k0})*N later", self.steady))
+        for title, seg in titled:
             rows.append(f" {title}:")
             rows += [f"  stage {s}: " + " ".join(map(str, acts)) for s, acts in enumerate(seg)]
         return "\n".join(rows)
 
 
-def plan_stream(kind: str, num_stages: int, accumulation: int, per_call: int) -> StreamPlan:
+def plan_stream(kind: str, num_stages: int, accumulation: int, per_call: int,
+                tied: bool = False) -> StreamPlan:
+    """Cut a long schedule into calls and find where it becomes periodic. The calls at the
+    end of the finite schedule (its cool-down) are not part of the endless stream."""
     check_per_call(per_call, accumulation)
-    calls = 3 + math.ceil(num_stages / per_call)
-    sched = build(kind, num_stages, accumulation, per_call * calls)
-    segs = segments(sched, per_call)
-    for k in range(2, calls - math.ceil(num_stages / per_call)):
-        if shift_segment(segs[1], (k - 1) * per_call) != segs[k]:
-            raise ValueError(f"{kind} schedule is not periodic from call 1 on (call {k} differs)")
-    return StreamPlan(kind, num_stages, accumulation, per_call, segs[0], segs[1])
+    tied = tied and kind == "paci" and num_stages > 1
+    warm = math.ceil(num_stages / per_call)
+    if tied:
+        warm += math.ceil(tied_lag(num_stages, accumulation) * accumulation / per_call)
+    calls = warm + 3 + math.ceil(num_stages / per_call)
+    segs = segments(build(kind, num_stages, accumulation, per_call * calls, tied), per_call)
+    usable = calls - math.ceil(num_stages / per_call)  # the tail drains the finite schedule
+    for k0 in range(1, usable - 1):
+        if all(shift_segment(segs[k0], (k - k0) * per_call) == segs[k] for k in range(k0, usable)):
+            return StreamPlan(kind, num_stages, accumulation, per_call, tuple(segs[:k0]),
+                              segs[k0], tied)
+    raise ValueError(f"{kind} schedule is not periodic by call {usable - 2}")

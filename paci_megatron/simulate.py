@@ -18,15 +18,17 @@ from .schedule import (
     COMPUTE_OPS,
     RECV_OPS,
     SEND_OPS,
+    TIED_OPS,
     Action,
     Op,
     Schedule,
     StreamPlan,
     channel,
-    drift_bound,
     exchanges,
     peer,
+    work_items,
 )
+from .shape import closes_group, drift_bound, tied_lag
 
 
 class ScheduleError(ValueError):
@@ -132,7 +134,7 @@ def check_lists(schedule: Schedule) -> Tuple[List[Dict[int, int]], List[int]]:
         drift: Dict[int, int] = {}
         received = {Op.RECV_F: set(), Op.RECV_B: set()}
         steps = backwards = in_flight = peak = 0
-        last = last_work = None  # the previous action; the previous F, B or T
+        last = last_work = None  # the previous action; the previous F, B, R or T
         for i, act in enumerate(acts):
             m = act.mb
             if act.op is Op.FORWARD:
@@ -154,12 +156,17 @@ def check_lists(schedule: Schedule) -> Tuple[List[Dict[int, int]], List[int]]:
                 drift[m] = steps - done_f.pop(m)
                 in_flight -= 1
                 backwards += 1
-            elif act.op is Op.STEP:
+            elif act.op is Op.REDUCE:
                 if last_work != Action(Op.BACKWARD, m):  # communication may come between
                     raise ScheduleError(f"{where}: {act} does not follow B{m}")
                 if backwards % a or backwards // a != steps + 1:
                     raise ScheduleError(f"{where}: {act} after {backwards} backwards with a={a}")
+            elif act.op is Op.STEP:
+                if last_work != Action(Op.REDUCE, m):
+                    raise ScheduleError(f"{where}: {act} does not follow R{m}")
                 steps += 1
+            elif act.op in TIED_OPS:
+                _check_tied(schedule, s, act, last_work, steps, where)
             elif act.op in RECV_OPS:
                 if (act.op is Op.RECV_F and s == 0) or (act.op is Op.RECV_B and s == P - 1):
                     raise ScheduleError(f"{where}: {act} has no sender")
@@ -168,10 +175,11 @@ def check_lists(schedule: Schedule) -> Tuple[List[Dict[int, int]], List[int]]:
                 if s == P - 1 or Action(Op.FORWARD, m) != last:
                     raise ScheduleError(f"{where}: {act} must follow F{m} on a non-last stage")
             elif act.op is Op.SEND_B:
-                if s == 0 or Action(Op.BACKWARD, m) != last:
+                if s == 0 or Action(Op.BACKWARD, m) != last and \
+                        Action(Op.SEND_TIED_GRAD, m) != last:
                     raise ScheduleError(f"{where}: {act} must follow B{m} on a non-first stage")
             last = act
-            if act.op in COMPUTE_OPS or act.op is Op.STEP:
+            if act.op in COMPUTE_OPS or act.op in (Op.REDUCE, Op.STEP):
                 last_work = act
         missing = sorted(set(range(M)) - set(drift))
         if missing or done_f:
@@ -189,8 +197,35 @@ def check_lists(schedule: Schedule) -> Tuple[List[Dict[int, int]], List[int]]:
     return drifts, peaks
 
 
-def run_lockstep(schedule: Schedule, costs: Costs = Costs()) -> List[List[Event]]:
-    """Time every action; raises DeadlockError naming what each stuck stage waits for."""
+def _check_tied(schedule: Schedule, s: int, act: Action, last_work: Optional[Action],
+                steps: int, where: str) -> None:
+    """Where the tied-weight exchange may sit: SG right after the last stage's closing
+    backward, RG before stage 0's R, SW right after stage 0's T, and RW (the weight of stage
+    0's step L = tied_lag steps back) after each later step of the last stage, or after its
+    last backward (the drain)."""
+    P, a, m = schedule.num_stages, schedule.accumulation, act.mb
+    owner, last = s == 0, s == P - 1
+    if not schedule.tied or P < 2 or not closes_group(m, a):
+        raise ScheduleError(f"{where}: {act} in a list without a tied weight, or not at a "
+                            "group's end")
+    lag = tied_lag(P, a)
+    if act.op is Op.SEND_TIED_GRAD and last and last_work == Action(Op.BACKWARD, m):
+        return
+    if act.op is Op.RECV_TIED_GRAD and owner and last_work == Action(Op.BACKWARD, m):
+        return
+    if act.op is Op.SEND_TIED_WEIGHT and owner and last_work == Action(Op.STEP, m):
+        return
+    if act.op is Op.RECV_TIED_WEIGHT and last and (
+            last_work == Action(Op.STEP, m + lag * a) or steps - lag <= m // a < steps):
+        return
+    raise ScheduleError(f"{where}: {act} out of place (after {last_work}, lag {lag})")
+
+
+def run_lockstep(schedule: Schedule, costs: Costs = Costs(),
+                 open_weights: bool = False) -> List[List[Event]]:
+    """Time every action; raises DeadlockError naming what each stuck stage waits for.
+    ``open_weights``: the lists are a stream cut short, which leaves stage 0's last tied
+    weights unreceived by design."""
     P = schedule.num_stages
     pos = [0] * P
     clock = [0.0] * P
@@ -204,7 +239,7 @@ def run_lockstep(schedule: Schedule, costs: Costs = Costs()) -> List[List[Event]
                 act = acts[pos[s]]
                 start = clock[s]
                 if act.op in RECV_OPS:
-                    queue = queues[channel(s, act)]
+                    queue = queues[channel(s, act, P)]
                     if not queue:
                         break
                     sent_mb, ready = queue.popleft()
@@ -215,7 +250,7 @@ def run_lockstep(schedule: Schedule, costs: Costs = Costs()) -> List[List[Event]
                     start = max(start, ready)
                 end = start + costs.of(act)
                 if act.op in SEND_OPS:
-                    queues[channel(s, act)].append((act.mb, end + costs.comm))
+                    queues[channel(s, act, P)].append((act.mb, end + costs.comm))
                 events[s].append(Event(s, act, start, end))
                 clock[s] = end
                 pos[s] += 1
@@ -228,7 +263,8 @@ def run_lockstep(schedule: Schedule, costs: Costs = Costs()) -> List[List[Event]
                 if pos[s] < len(acts)
             )
             raise DeadlockError(f"{schedule.name}: deadlock: {stuck}")
-    leftovers = {ch: list(q) for ch, q in queues.items() if q}
+    leftovers = {ch: list(q) for ch, q in queues.items() if q
+                 and not (open_weights and ch[2] == "W")}
     if leftovers:
         raise ScheduleError(f"{schedule.name}: messages never received: {leftovers}")
     return events
@@ -259,6 +295,9 @@ class NcclModel:
        shape exchange of the same ops, waits for it, then ``torch.cuda.synchronize()``, which
        also waits for this stage's pending sends.
     5. At the end of each call the stage waits for all its pending sends.
+    6. The tied-weight messages (SG/RG, SW/RW) go over the embedding group as plain
+       isend/irecv: a receive waits for its send; a send never holds its sender up (the
+       runtime waits for it only once the receiver has taken it, ``mcore/tied.py``).
     """
 
     batched: bool = True
@@ -303,8 +342,8 @@ class _NcclWorld:
 
     def post(self, stage: int, action: Action, layer: str, now: float) -> _P2POp:
         op = _P2POp(stage, action, layer, now)
-        if layer == "shape" or self.model.batched:
-            sender, receiver, direction = channel(stage, action)
+        if layer in ("shape", "tied") or self.model.batched:
+            sender, receiver, direction = channel(stage, action, self.P)
             sends, recvs = self.unmatched[(sender, receiver, direction, layer)]
             (sends if op.is_send else recvs).append(op)
             while sends and recvs:
@@ -337,26 +376,16 @@ class _NcclWorld:
                                 f"{(a if a.is_send else b).action.mb} (messages out of order)")
         a.done = b.done = max(a.posted, b.posted, ready) + self.comm
 
-    def leftovers(self) -> List[str]:
+    def leftovers(self, open_weights: bool = False) -> List[str]:
+        """Ops never completed; ``open_weights``: a stream cut short leaves stage 0's last
+        tied weights unreceived, by design."""
         ops = [op for pair in self.unmatched.values() for q in pair for op in q]
         ops += [op for q in self.links.values() for op in q]
-        return [f"stage {op.stage} {op}" for op in ops]
+        return [f"stage {op.stage} {op}" for op in ops
+                if not (open_weights and op.action.op is Op.SEND_TIED_WEIGHT)]
 
 
 _CALL_END = None  # marks the end of a forward-backward call in a stage's item list
-
-
-def _work_items(actions: Sequence[Action]) -> List[object]:
-    """What the executor dispatches: single F/B/T actions and runs of communication."""
-    items: List[object] = []
-    for act in actions:
-        if act.op in COMPUTE_OPS or act.op is Op.STEP:
-            items.append(act)
-        elif items and isinstance(items[-1], list):
-            items[-1].append(act)
-        else:
-            items.append([act])
-    return items
 
 
 def _stage_program(world: _NcclWorld, s: int, items: Sequence[object], costs: Costs,
@@ -369,6 +398,11 @@ def _stage_program(world: _NcclWorld, s: int, items: Sequence[object], costs: Co
         if item is _CALL_END:
             yield pending
             pending = []
+        elif isinstance(item, Action) and item.op in TIED_OPS:
+            op = world.post(s, item, "tied", clock[s])
+            if not op.is_send:
+                yield [op]
+            events.append(Event(s, item, clock[s], clock[s]))
         elif isinstance(item, Action):
             if item.op is Op.BACKWARD:  # the runtime frees the output: its send must be done
                 mine = [op for op in pending if op.action == Action(Op.SEND_F, item.mb)]
@@ -410,7 +444,7 @@ def run_nccl(schedule: Schedule, costs: Costs = Costs(), model: NcclModel = Nccl
         bounds = [0] + sorted(call_ends[s] if call_ends else []) + [len(acts)]
         items: List[object] = []
         for lo, hi in zip(bounds, bounds[1:]):
-            items += _work_items(acts[lo:hi]) + [_CALL_END]
+            items += work_items(acts[lo:hi]) + [_CALL_END]
         programs.append(_stage_program(world, s, items, costs, clock, events[s]))
         waits.append([])
     running = set(range(P))
@@ -431,7 +465,7 @@ def run_nccl(schedule: Schedule, costs: Costs = Costs(), model: NcclModel = Nccl
                 + f" (after {events[s][-1].action if events[s] else 'nothing'})"
                 for s in sorted(running))
             raise DeadlockError(f"{schedule.name} under {model}: deadlock: {stuck}")
-    left = world.leftovers()
+    left = world.leftovers(open_weights=call_ends is not None)
     if left:
         raise ScheduleError(f"{schedule.name} under {model}: never completed: {left}")
     return events
@@ -440,7 +474,8 @@ def run_nccl(schedule: Schedule, costs: Costs = Costs(), model: NcclModel = Nccl
 def run_stream_nccl(plan: StreamPlan, calls: int, costs: Costs = Costs(),
                     model: NcclModel = NcclModel()) -> List[List[Event]]:
     """Run the first ``calls`` calls of a stream plan back to back under ``model``, each
-    stage waiting for its pending sends at every call end, as the runtime does."""
+    stage waiting for its pending sends at every call end, as the runtime does (but for the
+    tied weights, which cross calls by design)."""
     rows: List[List[Action]] = [[] for _ in range(plan.num_stages)]
     ends: List[List[int]] = [[] for _ in range(plan.num_stages)]
     for k in range(calls):
@@ -449,7 +484,7 @@ def run_stream_nccl(plan: StreamPlan, calls: int, costs: Costs = Costs(),
             ends[s].append(len(rows[s]))
     stream = Schedule(f"{plan.kind} stream (P={plan.num_stages} a={plan.accumulation} "
                       f"N={plan.per_call}, {calls} calls)", plan.num_stages, plan.accumulation,
-                      calls * plan.per_call, tuple(tuple(r) for r in rows))
+                      calls * plan.per_call, tuple(tuple(r) for r in rows), plan.tied)
     return run_nccl(stream, costs, model, ends)
 
 
@@ -489,3 +524,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def check_plan(plan: StreamPlan, nccl: Optional[NcclModel] = None) -> None:
+    """The checks a run's own plan passes before it runs (the runtime calls this at start-up):
+    the schedule the stream is cut from keeps every invariant of ``check_lists`` and runs in
+    lockstep without deadlock; with ``nccl``, its first calls also run under NCCL's pairing
+    rules. Raises ScheduleError saying why not."""
+    from .schedule import build
+
+    calls = len(plan.first) + 2 + -(-plan.num_stages // plan.per_call)
+    simulate(build(plan.kind, plan.num_stages, plan.accumulation, calls * plan.per_call,
+                   plan.tied))
+    if nccl is not None:
+        run_stream_nccl(plan, len(plan.first) + 2, Costs(), nccl)

@@ -23,7 +23,9 @@ from .mcore import runtime as mcore_runtime
 from .mcore.tied import tied_sha256
 from .memory import LiveTensorMeter, SavedTensorMeter
 from .quiet import is_local_rank0
-from .registry import SCHEDULES, ScheduleOptions
+from .config import PaciConfig
+from .registry import SCHEDULES_BY_NAME
+from .shape import local_steps_ramped
 from .restart import SaveClock, describe_mismatch, restart_count, run_fingerprint, trim_metrics
 
 
@@ -48,7 +50,7 @@ class Job:
     """Everything one rank needs to train, built once from the flags."""
 
     args: Any
-    opts: ScheduleOptions
+    opts: PaciConfig
     info: Dict
     spec: Any
     model: List
@@ -89,7 +91,7 @@ def _gpt_spec(args):
         transformer_impl=args.transformer_impl)
 
 
-def preflight(args):
+def preflight(args, opts: PaciConfig):
     """Checks that need files but no process group: tokenizer, dataset, checkpoint. Raises
     ConfigError (the flag and the fix) so that a bad input fails before training starts."""
     from .arguments import ConfigError
@@ -103,14 +105,14 @@ def preflight(args):
             data.check_indexed_dataset(args.data_path)
         args.vocab_size = tokenizer.vocab_size  # NullTokenizer adds its end-of-document id
         if args.load:
-            _check_checkpoint_matches(args)
+            _check_checkpoint_matches(args, opts)
     except ValueError as exc:  # CheckpointError is one too
         raise ConfigError(str(exc)) from None
     _check_lr_schedule_on_load(args)
     return tokenizer
 
 
-def _check_checkpoint_matches(args) -> None:
+def _check_checkpoint_matches(args, opts: PaciConfig) -> None:
     """The newest complete checkpoint under --load must come from a run like this one (same
     parallel layout, schedule, accumulation factor and model shape): raises naming each flag
     that differs. A missing or empty --load directory passes (the run starts from scratch)."""
@@ -119,7 +121,7 @@ def _check_checkpoint_matches(args) -> None:
     path = checkpoint.find_checkpoint(args.load)
     if path is None:
         return
-    problems = describe_mismatch(checkpoint.read_extra(path).get("run"), run_fingerprint(args))
+    problems = describe_mismatch(checkpoint.read_extra(path).get("run"), run_fingerprint(args, opts))
     if problems:
         raise ConfigError(
             f"--load {args.load}: checkpoint {path} was written by a different run: "
@@ -163,8 +165,8 @@ def _batches(job: Job, dataset, start: int):
     return [batches() for _ in job.model] if len(job.model) > 1 else batches()
 
 
-def setup(args, opts: ScheduleOptions) -> Job:
-    tokenizer = preflight(args)
+def setup(args, opts: PaciConfig) -> Job:
+    tokenizer = preflight(args, opts)
     info = build.init_distributed(
         tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
         vpp=args.virtual_pipeline_model_parallel_size, backend=args.distributed_backend,
@@ -188,12 +190,10 @@ def setup(args, opts: ScheduleOptions) -> Job:
         decay_steps=args.train_iters * gbs, decay_style=args.lr_decay_style,
         override=args.override_opt_param_scheduler,
         use_checkpoint=args.use_checkpoint_opt_param_scheduler)
-    runtime = SCHEDULES.get(args.pipeline_schedule).make(opts)
+    runtime = SCHEDULES_BY_NAME.get(args.pipeline_schedule).make(opts)
     uninstall = None
     if runtime is not None:
-        runtime.accumulation_follows = args.paci_accumulation_follows
-        runtime.bind(optimizer, lr_scheduler,
-                     lr_increment=opts.accumulation * opts.micro_batch_size * opts.data_parallel_size)
+        runtime.bind(optimizer, lr_scheduler, lr_increment=opts.shape.lr_increment)
         uninstall = mcore_runtime.install_schedule(runtime.forward_backward)
     reporter = info["is_last"] and info["tp_rank"] == 0 and info["dp_rank"] == 0
     job = Job(args, opts, info, spec, model, optimizer, lr_scheduler, runtime,
@@ -243,9 +243,7 @@ def _load(job: Job) -> None:
     job.consumed = int(state["extra"].get("consumed_samples",
                                           job.iteration * args.global_batch_size))
     if job.runtime is not None:  # weight versions count local steps since the start
-        job.runtime.resume_at(job.iteration, args.num_microbatches)
-        if job.ramp is not None:
-            job.runtime.drift.version = _local_steps_before(job)
+        job.runtime.resume_at(job.iteration, _local_steps_before(job))
     if job.reporter:
         _log(f"> loaded checkpoint from {args.load} at iteration {job.iteration} "
              f"({job.consumed} samples consumed; {state['path']})")
@@ -319,15 +317,15 @@ def _micro_batches_now(job: Job) -> int:
 
 
 def _local_steps_before(job: Job) -> int:
-    """Local steps a stage took in the first ``job.iteration`` iterations of a ramped run."""
-    args, steps, consumed = job.args, 0, 0
-    for it in range(job.iteration):
-        num_mb = job.ramp.micro_batches(consumed)
-        sync = it < args.paci_sync_iters
-        steps += 1 if sync or args.paci_accumulation_follows else \
-            num_mb // args.paci_accumulation_factor
-        consumed += num_mb * args.micro_batch_size * job.info["dp_size"]
-    return steps
+    """Local steps a stage took in the first ``job.iteration`` iterations."""
+    if job.ramp is None:
+        return job.opts.shape.local_steps_before(job.iteration)
+    counts, consumed = [], 0
+    for _ in range(job.iteration):
+        counts.append(job.ramp.micro_batches(consumed))
+        consumed += counts[-1] * job.args.micro_batch_size * job.info["dp_size"]
+    accumulation = None if job.opts.accumulation_follows else job.opts.accumulation
+    return local_steps_ramped(counts, accumulation, job.opts.sync_iters)
 
 
 def train_step(job: Job) -> Dict:
@@ -360,7 +358,7 @@ def evaluate(job: Job) -> Optional[float]:
     steps, so the stages hold one consistent model; the forwards in flight stay untouched and
     training continues exactly as without evaluation."""
     args = job.args
-    if job.runtime is not None and job.runtime.primed and args.paci_drain_before_eval:
+    if job.runtime is not None and job.runtime.primed and job.opts.drain_before_eval:
         dropped = job.runtime.drain()
         if job.reporter:
             _log(f"> PACI: drained the pipeline before evaluation at iteration {job.iteration} "
@@ -406,7 +404,7 @@ def save(job: Job) -> None:
     path = checkpoint.save_checkpoint(
         job.args.save, job.iteration, job.model, job.optimizer, job.lr_scheduler,
         extra={"consumed_samples": job.consumed, "schedule": job.args.pipeline_schedule,
-               "run": run_fingerprint(job.args)})
+               "run": run_fingerprint(job.args, job.opts)})
     if job.save_clock is not None:
         job.save_clock.saved(time.perf_counter())
     if job.reporter:
@@ -448,7 +446,7 @@ def _log_iteration(job: Job, step: Dict, elapsed_ms: float) -> None:
     if skipped[-1]:
         drift_text += f" | skipped (non-finite) steps (this stage) {skipped[-1]}"
     factor = _factor_in_force(job)
-    adaptive = job.runtime.adaptive if job.runtime is not None else None
+    adaptive = job.runtime.policy.adaptive if job.opts.auto else None
     if adaptive is not None:
         drift_text += f" | PACI a {factor}"
     eta_s = int(elapsed_ms / 1000.0 * (args.train_iters - job.iteration))
@@ -474,7 +472,7 @@ def _factor_in_force(job: Job) -> Optional[int]:
     return plan.accumulation if plan is not None else None
 
 
-def train(args, opts: ScheduleOptions) -> Dict:
+def train(args, opts: PaciConfig) -> Dict:
     job = setup(args, opts)
     info = job.info
     _log(f"[paci] rank {info['rank']} = pipeline stage {info['pp_rank']}, "
@@ -487,13 +485,10 @@ def train(args, opts: ScheduleOptions) -> Dict:
              f"TP={job.info['tp_size']} DP={job.info['dp_size']} micro-batches/iteration="
              f"{args.num_microbatches} a="
              + (f"auto (from {opts.accumulation}, every {opts.adapt_interval} iterations, "
-                f"policy {opts.adapt_policy})" if opts.adapt_interval else f"{opts.accumulation}")
+                f"policy {opts.adapt_policy})" if opts.auto else f"{opts.accumulation}")
              + (f", stock 1F1B for the first {opts.sync_iters} iterations (--paci-sync-iters)"
                 if opts.sync_iters else "")
-             + (f", stale gradients weighted {opts.stale_grad_weight:g} ** drift"
-                if opts.stale_grad_weight != 1.0 else "")
-             + (f", stale gradients corrected with the momentum, K={opts.stale_grad_correction:g}"
-                if opts.stale_grad_correction else ""))
+             + (f", {job.runtime.describe()}" if job.runtime and job.runtime.describe() else ""))
     t_last = time.perf_counter()
     since_log = 0
     while job.iteration < args.train_iters:
@@ -594,7 +589,7 @@ def main(argv=None) -> int:
     return run(args, opts)
 
 
-def run(args, opts: ScheduleOptions) -> int:
+def run(args, opts: PaciConfig) -> int:
     """Train; a ConfigError found before training (files, checkpoint) exits like a bad flag."""
     from .arguments import ConfigError
 

@@ -104,3 +104,29 @@ def read_metrics(path) -> List[dict]:
 def results_by_case(stdout: str) -> Dict[str, dict]:
     """``parse_results`` keyed by each result's ``case``."""
     return {r["case"]: r for r in parse_results(stdout)}
+
+
+def megatron_lm_args(**overrides):
+    """Megatron-LM's parsed flags as the drop-in's validator sees them (before Megatron-LM's
+    validate_args): PACI's flags at their defaults from the one table, ``--pipeline-schedule
+    paci``, 2 untied stages on 2 ranks, 8 micro-batches, and Megatron-LM's own defaults for
+    the fields the validator reads."""
+    from paci_megatron import run as paci_run
+
+    args = paci_run.parse_paci_arguments(["--pipeline-schedule", "paci"])
+    for key, value in dict(
+            num_layers_per_virtual_pipeline_stage=None, num_virtual_stages_per_pipeline_rank=None,
+            pipeline_model_parallel_size=2, tensor_model_parallel_size=1,
+            context_parallel_size=1, world_size=2, micro_batch_size=2, global_batch_size=16,
+            untie_embeddings_and_output_weights=True, rampup_batch_size=None,
+            decrease_batch_size_if_needed=False, overlap_param_gather=False,
+            overlap_grad_reduce=False, use_distributed_optimizer=False, fp16=False,
+            initial_loss_scale=2.0 ** 32, min_loss_scale=1.0, loss_scale=None,
+            rerun_mode="validate_results", calculate_per_token_loss=False, timing_log_level=0,
+            exit_duration_in_mins=None, exit_signal_handler=False, mtp_num_layers=None,
+            num_experts=None, log_params_norm=False, apply_layernorm_1p=False,
+            optimizer="adam", sgd_momentum=0.9).items():
+        setattr(args, key, value)
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return args

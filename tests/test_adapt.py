@@ -9,7 +9,7 @@ import pytest
 
 from paci_megatron import adapt
 from paci_megatron.arguments import ConfigError, build_parser, parse_and_validate, validate
-from paci_megatron.schedule import Op, Schedule, drift_bound, exchanges, plan_stream
+from paci_megatron.schedule import Op, Schedule, drift_bound, exchanges, plan_stream, work_items
 from paci_megatron.simulate import NcclModel, run_lockstep, run_nccl
 
 
@@ -46,18 +46,11 @@ def test_raising_a_exceeds_the_new_bound_until_the_old_forwards_are_done():
 
 
 def _work_and_exchanges(actions):
-    """What a call does but for the steps, and its exchanges as the executor groups them
-    (consecutive communication actions; a step ends a group)."""
-    work = tuple(x for x in actions if x.op is not Op.STEP)
-    groups, run = [], []
-    for x in actions:
-        if x.op in (Op.FORWARD, Op.BACKWARD, Op.STEP):
-            if run:
-                groups.append(tuple(run))
-            run = []
-        else:
-            run.append(x)
-    return work, tuple(groups + ([tuple(run)] if run else []))
+    """What a call does but for the group-closing R and T, and its exchanges as the executor
+    groups them (``schedule.work_items``)."""
+    closing = (Op.REDUCE, Op.STEP)
+    work = tuple(x for x in actions if x.op not in closing)
+    return work, tuple(i for i in work_items(actions) if isinstance(i, tuple))
 
 
 @pytest.mark.parametrize("P", [2, 3, 4, 8])
@@ -154,14 +147,14 @@ def _validate(*flags, world=4):
 
 def test_auto_flag_starts_at_n_with_its_defaults():
     args, opts = _validate("--paci-accumulation-factor", "auto")
-    assert args.paci_adaptive and opts.accumulation == 8
+    assert opts.auto and opts.accumulation == 8
     assert (opts.adapt_interval, opts.adapt_tolerance, opts.adapt_policy) == (10, 0.0,
                                                                              "staleness")
     args, opts = _validate("--paci-accumulation-factor", "auto", "--paci-adapt-interval", "3",
                            "--paci-adapt-policy", "cycle", "--paci-adapt-tolerance", "0.2")
     assert (opts.adapt_interval, opts.adapt_tolerance, opts.adapt_policy) == (3, 0.2, "cycle")
     args, opts = _validate("--paci-accumulation-factor", "4")
-    assert not args.paci_adaptive and opts.adapt_interval == 0 and opts.accumulation == 4
+    assert not opts.auto and opts.adapt_interval == 0 and opts.accumulation == 4
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -169,7 +162,7 @@ def test_auto_flag_starts_at_n_with_its_defaults():
                                      "--paci-accumulation-factor auto"),
     (["--paci-adapt-policy", "cycle"], "--paci-adapt-policy only applies"),
     (["--paci-accumulation-factor", "auto", "--pipeline-schedule", "1f1b"],
-     "--paci-accumulation-factor auto only applies to --pipeline-schedule paci"),
+     "--paci-accumulation-factor only applies to --pipeline-schedule paci"),
 ])
 def test_auto_flags_misused_are_refused(flags, message):
     with pytest.raises(ConfigError, match=message):
@@ -201,17 +194,15 @@ def test_weight_change_per_step_is_measured_on_a_fixed_sample():
     parameter), averaged over the steps since the last take."""
     import torch
 
-    from paci_megatron.mcore.runtime import WeightChange
+    from paci_megatron.plan_policy import WeightChange
 
     w, b = torch.ones(1000), torch.full((3,), 2.0)
     probe = WeightChange()
     for scale in (1.01, 1.03):
-        probe.before((w, b))
-        w.mul_(scale), b.mul_(scale)
-        probe.after((w, b))
+        with probe.measured((w, b)):
+            w.mul_(scale), b.mul_(scale)
     assert probe.take() == pytest.approx(0.02, rel=1e-5)
     assert probe.take() == 0.0
-    probe.before((w, b))
-    w[1] += 100.0  # off the sample (every 3rd entry of 1000): unseen
-    probe.after((w, b))
+    with probe.measured((w, b)):
+        w[1] += 100.0  # off the sample (every 3rd entry of 1000): unseen
     assert probe.take() == 0.0

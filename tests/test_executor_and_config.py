@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from paci_megatron.arguments import ConfigError, build_parser, validate
+from paci_megatron.arguments import ConfigError, build_parser, parse_and_validate, validate
 from paci_megatron.autograd_versions import keep_version_counters
 from paci_megatron.executor import (
     DriftBoundExceeded,
@@ -16,7 +16,7 @@ from paci_megatron.executor import (
     ReplayIterator,
     StageExecutor,
 )
-from paci_megatron.registry import SCHEDULES
+from paci_megatron.registry import SCHEDULES_BY_NAME
 from paci_megatron.schedule import Op, drift_bound, plan_stream
 
 
@@ -33,6 +33,9 @@ class FakeHandlers:
     def communicate(self, actions):
         self.log.append("+".join(map(str, actions)))
 
+    def reduce(self, mb):
+        self.log.append(f"R{mb}")
+
     def step(self, mb):
         self.log.append(f"T{mb}")
 
@@ -46,6 +49,7 @@ def test_executor_runs_the_plan_and_fuses_adjacent_communication():
         ex.run(plan.call(k)[1])
     assert "SF3+RB1" in handlers.log  # Megatron's send_forward_recv_backward pair
     assert [x for x in handlers.log if x.startswith("T")] == ["T1", "T3", "T5", "T7", "T9", "T11"]
+    assert handlers.log.index("R3") + 1 == handlers.log.index("T3")  # the group's R, then T
     assert drift.max == 1 and drift.version == 6
     assert sorted(drift.fwd_version) == [12, 13]  # P-1-s = 2 forwards still in flight
 
@@ -126,12 +130,22 @@ def test_defaults_are_consistent():
 
 @pytest.mark.parametrize("argv,match", [
     (["--paci-accumulation-factor", "0"], "--paci-accumulation-factor must be >= 1"),
+    (["--pipeline-schedule", "gpipe"], "invalid choice: 'gpipe'"),
+])
+def test_bad_values_are_refused_by_the_parser(argv, match, capsys):
+    with pytest.raises(SystemExit):
+        parse_and_validate(["--untie-embeddings-and-output-weights"] + argv, world_size=2)
+    assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,match", [
     (["--paci-accumulation-factor", "3"], "--paci-accumulation-factor 3 must divide"),
     (["--num-layers", "3"], "--num-layers 3 is not divisible by --pipeline-model-parallel-size 2"),
     (["--paci-accumulation-factor", "1", "--paci-max-drift", "0"],
      "--paci-max-drift 0 is below the theoretical bound"),
     (["--global-batch-size", "7"], "--global-batch-size 7 is not divisible"),
-    (["--pipeline-schedule", "gpipe"], "--pipeline-schedule 'gpipe' is unknown"),
+    (["--pipeline-schedule", "1f1b", "--paci-max-drift", "2"],
+     "--paci-max-drift only applies to --pipeline-schedule paci, not 1f1b"),
     (["--pipeline-schedule", "interleaved"], "--num-layers-per-virtual-pipeline-stage"),
 ])
 def test_bad_configuration_is_named(argv, match):
@@ -146,8 +160,8 @@ def test_paci_accepts_tied_embeddings_across_stages():
 
 
 def test_registry_is_open_and_names_known_schedules():
-    assert SCHEDULES.names() == ["1f1b", "interleaved", "paci"]
-    assert SCHEDULES.get("1f1b").make(None) is None  # stock Megatron, untouched
+    assert SCHEDULES_BY_NAME.names() == ["1f1b", "interleaved", "paci"]
+    assert SCHEDULES_BY_NAME.get("1f1b").make(None) is None  # stock Megatron, untouched
 
 
 def test_entry_point_rejects_bad_flags_before_starting():

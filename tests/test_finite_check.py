@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from paci_megatron.mcore.runtime import grads_are_finite
+from paci_megatron.mcore.local_step import grads_are_finite
 
 
 def _stage(*grads):

@@ -117,7 +117,7 @@ def test_per_token_each_stage_divides_by_its_groups_token_count(ranks):
 def test_no_metadata_without_fp16_or_per_token_loss():
     """fp32/bf16 without per-token loss: no extra message (grad_meta_for returns None)."""
     pytest.importorskip("megatron.core")
-    from paci_megatron.mcore.runtime import grad_meta_for
+    from paci_megatron.mcore.grad_meta import grad_meta_for
 
     plain = types.SimpleNamespace(fp16=False, calculate_per_token_loss=False)
     scaler = types.SimpleNamespace(grad_scaler=object())

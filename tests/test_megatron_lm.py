@@ -16,7 +16,7 @@ import types
 
 import pytest
 
-from launch import REPO, kill_tree
+from launch import REPO, kill_tree, megatron_lm_args
 
 from paci_megatron import run as paci_run
 from paci_megatron.patches import megatron_lm
@@ -54,29 +54,16 @@ DRIFT = re.compile(r"> PACI stage (\d+): max drift (\d+) \(bound (\d+)\), histog
 # --- unit tests (no checkout needed) --------------------------------------------------------
 
 def test_paci_flags_default_to_stock():
-    args = megatron_lm.parse_paci_arguments(["--num-layers", "4", "--lr", "1e-3"])
+    args = paci_run.parse_paci_arguments(["--num-layers", "4", "--lr", "1e-3"])
     assert args.pipeline_schedule == "1f1b"
     assert args.paci_accumulation_factor is None and args.paci_max_drift is None
-    args = megatron_lm.parse_paci_arguments(
+    args = paci_run.parse_paci_arguments(
         ["--pipeline-schedule", "paci", "--paci-accumulation-factor", "8", "--seq-length", "9"])
     assert (args.pipeline_schedule, args.paci_accumulation_factor) == ("paci", 8)
     with pytest.raises(SystemExit):
-        megatron_lm.parse_paci_arguments(["--pipeline-schedule", "gpipe"])
+        paci_run.parse_paci_arguments(["--pipeline-schedule", "gpipe"])
     with pytest.raises(SystemExit):
-        megatron_lm.parse_paci_arguments(["--paci-accumulation-factor", "0"])
-
-
-def _megatron_args(**overrides):
-    base = dict(pipeline_schedule="paci", paci_accumulation_factor=None, paci_max_drift=None,
-                paci_stale_grad_weight=None, paci_stale_grad_correction=None,
-                num_layers_per_virtual_pipeline_stage=None,
-                num_virtual_stages_per_pipeline_rank=None, pipeline_model_parallel_size=2,
-                untie_embeddings_and_output_weights=True, rampup_batch_size=None,
-                overlap_param_gather=False, rerun_mode="validate_results",
-                calculate_per_token_loss=False, tensor_model_parallel_size=1, world_size=2,
-                micro_batch_size=2, global_batch_size=16)
-    base.update(overrides)
-    return types.SimpleNamespace(**base)
+        paci_run.parse_paci_arguments(["--paci-accumulation-factor", "0"])
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -98,32 +85,32 @@ def _megatron_args(**overrides):
 ])
 def test_bad_flag_combinations_are_refused(overrides, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        paci_run.validate_flags(_megatron_args(**overrides))
+        paci_run.validate_flags(megatron_lm_args(**overrides))
 
 
 def test_rampup_and_overlapped_param_gather_are_accepted():
-    paci_run.validate_flags(_megatron_args(rampup_batch_size=[4, 4, 100]))  # a follows M
-    paci_run.validate_flags(_megatron_args(rampup_batch_size=[4, 4, 100],
+    paci_run.validate_flags(megatron_lm_args(rampup_batch_size=[4, 4, 100]))  # a follows M
+    paci_run.validate_flags(megatron_lm_args(rampup_batch_size=[4, 4, 100],
                                            paci_accumulation_factor=2))
-    paci_run.validate_flags(_megatron_args(overlap_param_gather=True))
+    paci_run.validate_flags(megatron_lm_args(overlap_param_gather=True))
 
 
 def test_fp16_and_per_token_loss_are_accepted_under_paci():
-    paci_run.validate_flags(_megatron_args(fp16=True, initial_loss_scale=2.0 ** 32,
+    paci_run.validate_flags(megatron_lm_args(fp16=True, initial_loss_scale=2.0 ** 32,
                                            min_loss_scale=1.0, loss_scale=None))
-    paci_run.validate_flags(_megatron_args(calculate_per_token_loss=True))
+    paci_run.validate_flags(megatron_lm_args(calculate_per_token_loss=True))
 
 
 def test_stock_schedules_are_not_checked():
-    paci_run.validate_flags(_megatron_args(pipeline_schedule="1f1b",
+    paci_run.validate_flags(megatron_lm_args(pipeline_schedule="1f1b",
                                            untie_embeddings_and_output_weights=False,
                                            num_layers_per_virtual_pipeline_stage=2,
                                            fp16=True))  # stock Megatron's own fp16
-    paci_run.validate_flags(_megatron_args(pipeline_schedule="interleaved",
+    paci_run.validate_flags(megatron_lm_args(pipeline_schedule="interleaved",
                                            num_layers_per_virtual_pipeline_stage=1))
-    paci_run.validate_flags(_megatron_args())
-    paci_run.validate_flags(_megatron_args(untie_embeddings_and_output_weights=False))  # tied
-    paci_run.validate_flags(_megatron_args(use_distributed_optimizer=True,
+    paci_run.validate_flags(megatron_lm_args())
+    paci_run.validate_flags(megatron_lm_args(untie_embeddings_and_output_weights=False))  # tied
+    paci_run.validate_flags(megatron_lm_args(use_distributed_optimizer=True,
                                            overlap_grad_reduce=True))  # untied: not checked
 
 
@@ -273,7 +260,7 @@ def test_stale_gradient_correction_trains_through_the_drop_in(stock_run, tmp_pat
         (tmp_path / sub).mkdir()
     out = _ok(flags + ["--paci-stale-grad-correction", "4000"], tmp_path / "k")
     plain = _ok(flags, tmp_path / "plain")
-    assert "corrected with the momentum (K=4000)" in out
+    assert "stale gradients corrected with the momentum, K=4000" in out
     rows, stock, uncorrected = iterations(out), iterations(stock_run), iterations(plain)
     assert [r["iteration"] for r in rows] == ["1", "2", "3", "4"], out[-3000:]
     assert rows[0]["loss"] == stock[0]["loss"] == uncorrected[0]["loss"]

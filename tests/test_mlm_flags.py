@@ -54,12 +54,12 @@ def test_bad_combinations_name_the_flag(flags, flag, text):
 def test_rampup_accumulation_defaults_to_the_first_batch():
     args, opts = _validate(["--global-batch-size", "16", "--micro-batch-size", "2",
                             "--rampup-batch-size", "4", "4", "64"])
-    assert (opts.num_microbatches, opts.accumulation) == (2, 2)
-    assert args.paci_accumulation_follows
+    assert (opts.shape.per_call, opts.accumulation) == (2, 2)
+    assert opts.accumulation_follows
     args, opts = _validate(["--global-batch-size", "16", "--micro-batch-size", "2",
                             "--rampup-batch-size", "4", "4", "64",
                             "--paci-accumulation-factor", "2"])
-    assert opts.accumulation == 2 and not args.paci_accumulation_follows
+    assert opts.accumulation == 2 and not opts.accumulation_follows
 
 
 # --- DP=2 at P=2: plain optimizer vs distributed optimizer with both overlaps -----------------
@@ -219,8 +219,9 @@ def test_resume_counts_the_local_steps_of_a_ramp(follows, accumulation, sync, ex
     from paci_megatron.mcore.build import BatchRamp
     from paci_megatron.training import _local_steps_before
 
-    args = types.SimpleNamespace(paci_sync_iters=sync, paci_accumulation_follows=follows,
-                                 paci_accumulation_factor=accumulation, micro_batch_size=2)
-    job = types.SimpleNamespace(args=args, iteration=10, info={"dp_size": 1},
+    opts = types.SimpleNamespace(sync_iters=sync, accumulation_follows=follows,
+                                 accumulation=accumulation)
+    job = types.SimpleNamespace(args=types.SimpleNamespace(micro_batch_size=2), opts=opts,
+                                iteration=10, info={"dp_size": 1},
                                 ramp=BatchRamp([4, 4, 32], 8, 2, 1))
     assert _local_steps_before(job) == expected

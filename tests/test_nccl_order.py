@@ -22,9 +22,9 @@ def step_then_receive(schedule: Schedule) -> Schedule:
     rows = []
     for acts in schedule.stages:
         acts = list(acts)
-        for i in range(len(acts) - 1):
-            if acts[i].op is Op.RECV_F and acts[i + 1].op is Op.STEP:
-                acts[i], acts[i + 1] = acts[i + 1], acts[i]
+        for i in range(len(acts) - 2):
+            if acts[i].op is Op.RECV_F and acts[i + 1].op is Op.REDUCE:
+                acts[i:i + 3] = acts[i + 1:i + 3] + [acts[i]]
         rows.append(tuple(acts))
     return Schedule("step-then-receive", schedule.num_stages, schedule.accumulation,
                     schedule.num_microbatches, tuple(rows))
@@ -49,7 +49,7 @@ def test_flush_stream_is_accepted_without_shape_exchange(P):
 
 def test_model_rejects_the_step_before_the_receive():
     old = step_then_receive(build_paci(3, 2, 8))
-    assert "SB1 T1 RF2" in " ".join(map(str, old.stages[2]))
+    assert "SB1 R1 T1 RF2" in " ".join(map(str, old.stages[2]))
     with pytest.raises(DeadlockError, match="unbatched p2p: deadlock: stage 0 waits for RB"):
         simulate(old, nccl=NcclModel(batched=False))
     with pytest.raises(DeadlockError, match="with shape exchange: deadlock"):
@@ -59,21 +59,21 @@ def test_model_rejects_the_step_before_the_receive():
 
 
 def test_model_rejects_hand_made_lists():
-    rows = ["F0 SF0 F1 SF1 RB0 B0 T0 RB1 B1 T1",
-            "RF0 F0 SF0 RF1 F1 SF1 RB0 B0 SB0 T0 RB1 B1 SB1 T1",
-            "RF0 F0 B0 SB0 T0 RF1 F1 B1 SB1 T1"]
+    rows = ["F0 SF0 F1 SF1 RB0 B0 R0 T0 RB1 B1 R1 T1",
+            "RF0 F0 SF0 RF1 F1 SF1 RB0 B0 SB0 R0 T0 RB1 B1 SB1 R1 T1",
+            "RF0 F0 B0 SB0 R0 T0 RF1 F1 B1 SB1 R1 T1"]
     # stage 1 queues send F1 then receive B0 on its link to stage 2, which queues send B0 and
     # only after its step receive F1: two sends face each other on one NCCL stream
     bad = Schedule.parse("hand-made", 1, rows)
     with pytest.raises(DeadlockError, match="stage 1 waits for RB0.*stage 2 waits for RF1"):
         simulate(bad, nccl=NcclModel(batched=False))
     batched = simulate(bad, Costs(1.0, 1.0, 10.0), NcclModel())  # no deadlock, but it waits
-    fixed = Schedule.parse("fixed", 1, rows[:2] + [rows[2].replace("SB0 T0 RF1", "SB0 RF1 T0")])
+    fixed = Schedule.parse("fixed", 1, rows[:2] + [rows[2].replace("SB0 R0 T0 RF1", "SB0 RF1 R0 T0")])
     simulate(fixed, nccl=NcclModel(batched=False))
     assert simulate(fixed, Costs(1.0, 1.0, 10.0), NcclModel()).makespan < batched.makespan
     # a receive posted before the matching send exists anywhere
     with pytest.raises(DeadlockError, match="stage 0 waits for RB0"):
-        simulate(Schedule.parse("bad", 1, ["RB0 F0 SF0 B0 T0", "RF0 F0 B0 SB0 T0"]),
+        simulate(Schedule.parse("bad", 1, ["RB0 F0 SF0 B0 R0 T0", "RF0 F0 B0 SB0 R0 T0"]),
                  nccl=NcclModel())
 
 

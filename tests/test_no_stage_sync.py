@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from launch import parse_results, run_torchrun
+from launch import megatron_lm_args, parse_results, run_torchrun
 from paci_megatron import run as paci_run
 from test_megatron_lm import needs_megatron_lm, run_pretrain_gpt
 
@@ -51,20 +51,6 @@ def test_log_shows_own_stage_and_the_table_comes_at_the_end(counted_run):
     assert "> stage 0: max drift 1 (bound 1)" in out
 
 
-def _megatron_args(**overrides):
-    base = dict(pipeline_schedule="paci", paci_accumulation_factor=None, paci_max_drift=None,
-                num_layers_per_virtual_pipeline_stage=None,
-                num_virtual_stages_per_pipeline_rank=None, pipeline_model_parallel_size=2,
-                untie_embeddings_and_output_weights=True, rampup_batch_size=None,
-                overlap_param_gather=False, rerun_mode="validate_results",
-                calculate_per_token_loss=False, timing_log_level=0, exit_duration_in_mins=None,
-                exit_signal_handler=False, mtp_num_layers=None, num_experts=None,
-                log_params_norm=False, paci_stale_grad_weight=None,
-                paci_stale_grad_correction=None)
-    base.update(overrides)
-    return types.SimpleNamespace(**base)
-
-
 @pytest.mark.parametrize("overrides,message", [
     (dict(timing_log_level=1), "--timing-log-level 1"),
     (dict(timing_log_level=2), "--timing-log-level 2"),
@@ -76,14 +62,14 @@ def _megatron_args(**overrides):
 ])
 def test_megatron_lm_flags_with_stage_crossing_collectives_are_refused(overrides, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        paci_run.validate_flags(_megatron_args(**overrides))
-    paci_run.validate_flags(_megatron_args(pipeline_schedule="1f1b", **overrides))  # stock
+        paci_run.validate_flags(megatron_lm_args(**overrides))
+    paci_run.validate_flags(megatron_lm_args(pipeline_schedule="1f1b", **overrides))  # stock
     if {"mtp_num_layers", "num_experts", "log_params_norm"} & set(overrides):  # one stage
-        paci_run.validate_flags(_megatron_args(pipeline_model_parallel_size=1, **overrides))
+        paci_run.validate_flags(megatron_lm_args(pipeline_model_parallel_size=1, **overrides))
 
 
 def test_runtime_refuses_collectives_inside_the_local_step():
-    from paci_megatron.mcore.runtime import check_no_cross_stage_grad_reduction
+    from paci_megatron.mcore.admission import check_no_cross_stage_grad_reduction
 
     def check(**config):
         base = dict(mtp_num_layers=None, has_cond_embedder=False, timers=None,

@@ -79,18 +79,18 @@ def test_action_text_round_trip():
 
 def test_simulator_detects_deadlock():
     # stage 0 waits for a gradient before it ever sends an activation
-    sched = Schedule.parse("bad", 1, ["RB0 F0 SF0 B0 T0", "RF0 F0 B0 SB0 T0"])
+    sched = Schedule.parse("bad", 1, ["RB0 F0 SF0 B0 R0 T0", "RF0 F0 B0 SB0 R0 T0"])
     with pytest.raises(DeadlockError, match="stage 0 waits at #0 RB0"):
         simulate(sched)
 
 
 def test_simulator_rejects_broken_lists():
     with pytest.raises(ScheduleError, match="in flight"):
-        simulate(Schedule.parse("greedy", 3, ["F0 SF0 F1 SF1 F2 SF2 RB0 B0 RB1 B1 RB2 B2 T2",
-                                              "RF0 F0 B0 SB0 RF1 F1 B1 SB1 RF2 F2 B2 SB2 T2"]))
+        simulate(Schedule.parse("greedy", 3, ["F0 SF0 F1 SF1 F2 SF2 RB0 B0 RB1 B1 RB2 B2 R2 T2",
+                                              "RF0 F0 B0 SB0 RF1 F1 B1 SB1 RF2 F2 B2 SB2 R2 T2"]))
     with pytest.raises(ScheduleError, match="out of order"):
-        simulate(Schedule.parse("swap", 2, ["F0 SF0 F1 SF1 RB0 B0 RB1 B1 T1",
-                                            "RF1 F1 B1 SB1 RF0 F0 B0 SB0 T0"]))
+        simulate(Schedule.parse("swap", 2, ["F0 SF0 F1 SF1 RB0 B0 RB1 B1 R1 T1",
+                                            "RF1 F1 B1 SB1 RF0 F0 B0 SB0 R0 T0"]))
     with pytest.raises(ScheduleError, match="steps"):
         simulate(Schedule.parse("nostep", 1, ["F0 B0"]))
 
@@ -98,27 +98,36 @@ def test_simulator_rejects_broken_lists():
 # Golden lists, derived by hand from the PACI rule (stage s runs P-1-s forwards ahead, then
 # one forward / one backward; a step after every a-th backward; a call ends after its N-th
 # backward and, on s > 0, takes the next input its predecessor already sent).
-# PACI receives the next forward input before its local step ("SB j RF k T j": one fused
-# exchange, see schedule.receive_before_step); the flush baseline has no such receive.
+# A group closes with R (its data-parallel sync) and T (the step). PACI receives the next
+# forward input before them ("SB j RF k R j T j": one fused exchange, see
+# schedule.receive_before_step); the flush baseline has no such receive. With tied embeddings
+# (P=2, a=1: lag L = 2) the last stage sends each group's output-layer gradient (SG) before
+# its own SB, stage 0 adds it before its R (RG) and sends its weight after its T (SW), and the
+# last stage installs stage 0's weight of step j - L after its own step j (RW).
 GOLDEN_CALLS = {
     ("paci", 2, 2, 4): (
-        ["F0 SF0 F1 SF1 RB0 B0 F2 SF2 RB1 B1 T1 F3 SF3 RB2 B2 F4 SF4 RB3 B3 T3",
-         "RF0 F0 B0 SB0 RF1 F1 B1 SB1 RF2 T1 F2 B2 SB2 RF3 F3 B3 SB3 RF4 T3"],
-        ["F5 SF5 RB4 B4 F6 SF6 RB5 B5 T5 F7 SF7 RB6 B6 F8 SF8 RB7 B7 T7",
-         "F4 B4 SB4 RF5 F5 B5 SB5 RF6 T5 F6 B6 SB6 RF7 F7 B7 SB7 RF8 T7"]),
+        ["F0 SF0 F1 SF1 RB0 B0 F2 SF2 RB1 B1 R1 T1 F3 SF3 RB2 B2 F4 SF4 RB3 B3 R3 T3",
+         "RF0 F0 B0 SB0 RF1 F1 B1 SB1 RF2 R1 T1 F2 B2 SB2 RF3 F3 B3 SB3 RF4 R3 T3"],
+        ["F5 SF5 RB4 B4 F6 SF6 RB5 B5 R5 T5 F7 SF7 RB6 B6 F8 SF8 RB7 B7 R7 T7",
+         "F4 B4 SB4 RF5 F5 B5 SB5 RF6 R5 T5 F6 B6 SB6 RF7 F7 B7 SB7 RF8 R7 T7"]),
     ("paci", 3, 1, 3): (
-        ["F0 SF0 F1 SF1 F2 SF2 RB0 B0 T0 F3 SF3 RB1 B1 T1 F4 SF4 RB2 B2 T2",
-         "RF0 F0 SF0 RF1 F1 SF1 RB0 B0 SB0 RF2 T0 F2 SF2 RB1 B1 SB1 RF3 T1 F3 SF3 RB2 B2 SB2 RF4 T2",
-         "RF0 F0 B0 SB0 RF1 T0 F1 B1 SB1 RF2 T1 F2 B2 SB2 RF3 T2"],
-        ["F5 SF5 RB3 B3 T3 F6 SF6 RB4 B4 T4 F7 SF7 RB5 B5 T5",
-         "F4 SF4 RB3 B3 SB3 RF5 T3 F5 SF5 RB4 B4 SB4 RF6 T4 F6 SF6 RB5 B5 SB5 RF7 T5",
-         "F3 B3 SB3 RF4 T3 F4 B4 SB4 RF5 T4 F5 B5 SB5 RF6 T5"]),
+        ["F0 SF0 F1 SF1 F2 SF2 RB0 B0 R0 T0 F3 SF3 RB1 B1 R1 T1 F4 SF4 RB2 B2 R2 T2",
+         "RF0 F0 SF0 RF1 F1 SF1 RB0 B0 SB0 RF2 R0 T0 F2 SF2 RB1 B1 SB1 RF3 R1 T1 F3 SF3 RB2 B2 SB2 RF4 R2 T2",
+         "RF0 F0 B0 SB0 RF1 R0 T0 F1 B1 SB1 RF2 R1 T1 F2 B2 SB2 RF3 R2 T2"],
+        ["F5 SF5 RB3 B3 R3 T3 F6 SF6 RB4 B4 R4 T4 F7 SF7 RB5 B5 R5 T5",
+         "F4 SF4 RB3 B3 SB3 RF5 R3 T3 F5 SF5 RB4 B4 SB4 RF6 R4 T4 F6 SF6 RB5 B5 SB5 RF7 R5 T5",
+         "F3 B3 SB3 RF4 R3 T3 F4 B4 SB4 RF5 R4 T4 F5 B5 SB5 RF6 R5 T5"]),
     ("paci", 2, 1, 1): (
-        ["F0 SF0 F1 SF1 RB0 B0 T0", "RF0 F0 B0 SB0 RF1 T0"],
-        ["F2 SF2 RB1 B1 T1", "F1 B1 SB1 RF2 T1"]),
+        ["F0 SF0 F1 SF1 RB0 B0 R0 T0", "RF0 F0 B0 SB0 RF1 R0 T0"],
+        ["F2 SF2 RB1 B1 R1 T1", "F1 B1 SB1 RF2 R1 T1"]),
+    ("paci", 2, 1, 2, True): (
+        ["F0 SF0 F1 SF1 RB0 B0 RG0 R0 T0 SW0 F2 SF2 RB1 B1 RG1 R1 T1 SW1",
+         "RF0 F0 B0 SG0 SB0 RF1 R0 T0 F1 B1 SG1 SB1 RF2 R1 T1"],
+        ["F3 SF3 RB2 B2 RG2 R2 T2 SW2 F4 SF4 RB3 B3 RG3 R3 T3 SW3",
+         "F2 B2 SG2 SB2 RF3 R2 T2 RW0 F3 B3 SG3 SB3 RF4 R3 T3 RW1"]),
     ("flush", 2, 2, 2): (
-        ["F0 SF0 F1 SF1 RB0 B0 RB1 B1 T1", "RF0 F0 B0 SB0 RF1 F1 B1 SB1 T1"],
-        ["F2 SF2 F3 SF3 RB2 B2 RB3 B3 T3", "RF2 F2 B2 SB2 RF3 F3 B3 SB3 T3"]),
+        ["F0 SF0 F1 SF1 RB0 B0 RB1 B1 R1 T1", "RF0 F0 B0 SB0 RF1 F1 B1 SB1 R1 T1"],
+        ["F2 SF2 F3 SF3 RB2 B2 RB3 B3 R3 T3", "RF2 F2 B2 SB2 RF3 F3 B3 SB3 R3 T3"]),
 }
 
 
@@ -126,7 +135,8 @@ def _text(acts):
     return " ".join(map(str, acts))
 
 
-@pytest.mark.parametrize("key", sorted(GOLDEN_CALLS), ids="{0[0]}-P{0[1]}-a{0[2]}-N{0[3]}".format)
+@pytest.mark.parametrize("key", sorted(GOLDEN_CALLS),
+                         ids=lambda k: "{0[0]}-P{0[1]}-a{0[2]}-N{0[3]}".format(k) + "-tied" * (len(k) > 4))
 def test_stream_calls_match_hand_written_lists(key):
     plan = plan_stream(*key)
     call0, call1 = GOLDEN_CALLS[key]
@@ -163,7 +173,7 @@ def test_stream_calls_are_prefixes_of_one_paci_list(P, a, k):
             if s > 0:
                 assert _count(acts, Op.RECV_F) == _count(acts, Op.FORWARD) + 1
                 # the next input comes in before the step that closes the call
-                assert [x.op for x in acts[-2:]] == [Op.RECV_F, Op.STEP]
+                assert [x.op for x in acts[-3:]] == [Op.RECV_F, Op.REDUCE, Op.STEP]
         for s in range(P - 1):  # the link s -> s+1 is empty at the call boundary
             assert _count(joined[s], Op.SEND_F) == _count(joined[s + 1], Op.RECV_F)
             assert _count(joined[s + 1], Op.SEND_B) == _count(joined[s], Op.RECV_B)

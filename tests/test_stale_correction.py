@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from paci_megatron.executor import DriftStats
-from paci_megatron.stale_correction import StaleGradCorrection, resolve_strength
-from paci_megatron.stale_weights import StaleGradWeights
+from paci_megatron.features.stale_correction import StaleGradCorrection
+from paci_megatron.features.stale_weights import StaleGradWeights
 
 
 def _unweighted(drifts):
@@ -44,7 +44,9 @@ def test_a_group_without_drift_is_not_corrected_and_the_step_resets_it():
     assert corr.coefficient(_unweighted((1,)).group_mean_drift) == 8.0
     weights = _weighted(0.5, (1,))
     assert corr.coefficient(weights.mean_drift) == 8.0
-    weights.at_step()
+    weights.finish()
+    assert corr.coefficient(weights.mean_drift) == 8.0  # the step still reads it
+    weights.reset()
     assert corr.coefficient(weights.mean_drift) == 0.0  # the group was reset
     stats = _unweighted((1,))
     stats.on_step()
@@ -82,7 +84,7 @@ def _adam(param, lr):
 
 
 def test_the_inner_step_sees_the_gradient_minus_the_scaled_momentum():
-    from paci_megatron.mcore.runtime import momentum_corrected
+    from paci_megatron.features.stale_correction import momentum_corrected
 
     p, q, r = (torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0])) for _ in range(3))
     opt_p, opt_q, opt_r = _adam(p, 1e-3), _adam(q, 1e-3), _adam(r, 1e-3)
@@ -101,7 +103,7 @@ def test_the_inner_step_sees_the_gradient_minus_the_scaled_momentum():
 
 
 def test_a_skipped_step_and_a_zero_coefficient_leave_the_gradient_alone():
-    from paci_megatron.mcore.runtime import momentum_corrected
+    from paci_megatron.features.stale_correction import momentum_corrected
 
     p = torch.nn.Parameter(torch.ones(3))
     opt = _adam(p, 1e-3)
@@ -114,7 +116,7 @@ def test_a_skipped_step_and_a_zero_coefficient_leave_the_gradient_alone():
 
 
 def test_sgd_corrects_with_its_momentum_buffer_and_without_momentum_not_at_all():
-    from paci_megatron.mcore.runtime import subtract_momentum
+    from paci_megatron.features.stale_correction import subtract_momentum
 
     p, plain = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
     sgd = torch.optim.SGD([p], lr=0.1, momentum=0.9)
@@ -146,7 +148,7 @@ class _ScaledStateAdam(torch.optim.AdamW):
 
 
 def test_a_first_moment_stored_scaled_is_read_unscaled():
-    from paci_megatron.mcore.runtime import first_moment
+    from paci_megatron.features.stale_correction import first_moment
 
     p = torch.nn.Parameter(torch.ones(3))
     opt = _ScaledStateAdam([p], lr=1e-3)
@@ -171,7 +173,7 @@ def test_bad_strengths_are_refused_by_both_entry_points(argv, message, capsys):
 
 def test_the_flag_reaches_the_runtime_and_other_schedules_never_correct():
     from paci_megatron.arguments import parse_and_validate
-    from paci_megatron.stale_correction import DEFAULT_STRENGTH
+    from paci_megatron.features.stale_correction import DEFAULT_STRENGTH
 
     def strength(*argv):
         _args, opts = parse_and_validate(["--pipeline-model-parallel-size", "2",
@@ -183,4 +185,3 @@ def test_the_flag_reaches_the_runtime_and_other_schedules_never_correct():
     assert strength("--paci-stale-grad-correction", "0") == 0.0  # the paper's plain PACI
     assert strength("--paci-stale-grad-correction", "6") == 6.0
     assert strength("--pipeline-schedule", "1f1b") == 0.0
-    assert resolve_strength(None, "1f1b") == 0.0

@@ -8,7 +8,7 @@ import pytest
 
 from paci_megatron.executor import DriftStats
 from paci_megatron.schedule import Op, build
-from paci_megatron.stale_weights import StaleGradWeights
+from paci_megatron.features.stale_weights import StaleGradWeights
 
 
 def _weighted_by_scaling(weight, drifts, grads):
@@ -16,7 +16,7 @@ def _weighted_by_scaling(weight, drifts, grads):
     sw, buf = StaleGradWeights(weight), 0.0
     for d, g in zip(drifts, grads):
         buf = buf * sw.before_backward(d) + g
-    return buf * sw.at_step()
+    return buf * sw.finish()
 
 
 @pytest.mark.parametrize("weight", [0.5, 0.2, 1.0])
@@ -31,7 +31,7 @@ def test_each_gradient_ends_with_weight_to_the_drift_and_the_mean_scale(weight, 
 def test_fresh_groups_are_left_exactly_alone():
     sw = StaleGradWeights(0.5)
     assert [sw.before_backward(0) for _ in range(4)] == [1.0] * 4
-    assert sw.at_step() == 1.0
+    assert sw.finish() == 1.0
 
 
 def test_a_rising_drift_is_refused():
@@ -63,7 +63,8 @@ def test_the_drift_never_rises_between_two_steps_of_any_paci_stage(stages, accum
                 _mb, fwd, ver = drift.log[-1]
                 sw.before_backward(ver - fwd)  # raises if it rose
             elif act.op is Op.STEP:
-                sw.at_step()
+                sw.finish()
+                sw.reset()
                 drift.on_step()
         seen |= set(drift.histogram)
     assert max(seen) == -(-(stages - 1) // accumulation)  # the bound is reached
@@ -83,7 +84,7 @@ def assert_refused_by_both_entry_points(argv, message, capsys):
     pretrain_gpt_paci.py's parser and the Megatron-LM drop-in's check both refuse it."""
     from paci_megatron import run as paci_run
     from paci_megatron.arguments import parse_and_validate
-    from test_no_stage_sync import _megatron_args
+    from launch import megatron_lm_args
 
     with pytest.raises(SystemExit):
         parse_and_validate(["--pipeline-schedule", "paci", "--pipeline-model-parallel-size", "2",
@@ -92,13 +93,13 @@ def assert_refused_by_both_entry_points(argv, message, capsys):
     schedule = argv[1] if argv[0] == "--pipeline-schedule" else "paci"
     dest = argv[-2].lstrip("-").replace("-", "_")
     with pytest.raises(ValueError, match=re.escape(message)):
-        paci_run.validate_flags(_megatron_args(pipeline_schedule=schedule,
+        paci_run.validate_flags(megatron_lm_args(pipeline_schedule=schedule,
                                                **{dest: float(argv[-1])}))
 
 
 def test_paci_weighs_by_default_and_plain_paci_is_one_flag_away():
     from paci_megatron.arguments import parse_and_validate
-    from paci_megatron.stale_weights import DEFAULT_WEIGHT
+    from paci_megatron.features.stale_weights import DEFAULT_WEIGHT
 
     def weight(*argv):
         _args, opts = parse_and_validate(["--pipeline-model-parallel-size", "2",

@@ -109,7 +109,7 @@ def test_resume_is_exact(schedule, tmp_path):
     ("truncated_bin", "--data-path"),
     ("no_tokenizer", "--tokenizer-model"),
     ("batch", "--global-batch-size 6 is not divisible"),
-    ("schedule", "--pipeline-schedule 'zb' is unknown"),
+    ("schedule", "argument --pipeline-schedule: invalid choice: 'zb'"),
     ("partial_load", "--load"),
     ("corrupt_load", "--load"),
 ])

@@ -30,9 +30,10 @@ from megatron.core.utils import get_model_config, get_model_type
 from ..autograd_versions import keep_version_counters
 from ..emulate import run_global
 from ..schedule import Action, Op, StreamPlan, plan_stream
+from ..shape import StreamShape, closes_group, tied_lag
 from . import build
 from .checkpoint import weights_sha256
-from .tied import grad_of, install, main_param, shared_weight, tied_lag
+from .tied import grad_of, install, main_param, shared_weight
 
 
 class _PipelineGroupView:
@@ -135,14 +136,16 @@ class _Stage:
     grad_meta: Dict[int, tuple] = field(default_factory=dict)
     meta_out: Dict[int, tuple] = field(default_factory=dict)
     group_tokens: int = 0
+    plain_tokens: int = 0  # the same, unweighted
+    weighed: bool = False  # the group's stale weights are applied (stage 0 with tied: at RG)
     group_drifts: List[int] = field(default_factory=list)  # since the step, in order
     step_drifts: List[int] = field(default_factory=list)  # the same, for the correction
 
 
 class TiedState:
     """Tied embeddings: stage 0 owns the weight; the last stage's output-layer gradient of a
-    group is added to stage 0's at its step, and the last stage installs stage 0's weight
-    after step i at its own step i + tied_lag (messages held here, in order)."""
+    group (SG) is added to stage 0's before its R (RG), and the last stage installs stage 0's
+    weight after step i (SW) at its own step i + tied_lag (RW); messages held here, in order."""
 
     def __init__(self, stages: List["_Stage"]):
         first, last = stages[0].parts, stages[-1].parts
@@ -186,7 +189,8 @@ class PipelineEmulator:
         self.micro_batch_size, self.seq_length = micro_batch_size, seq_length
         self.forward_step_func = forward_step_func
         dp = parallel_state.get_data_parallel_world_size()
-        self.lr_increment = lr_increment or accumulation * micro_batch_size * dp
+        self.lr_increment = lr_increment or StreamShape(
+            num_stages, accumulation, accumulation, micro_batch_size, dp).lr_increment
         self.stages: List[_Stage] = []
         for s in range(num_stages):
             with as_pipeline_stage(s, num_stages):
@@ -194,6 +198,7 @@ class PipelineEmulator:
                 parts = build_stage(s)
                 self.stages.append(_Stage(s, parts, _Batches(parts.data), _rng_state()))
         self.messages: Dict[tuple, List] = {}
+        self.mailbox: Dict[tuple, Any] = {}  # micro-batches in transit per channel (global order)
         self.plan: Optional[StreamPlan] = None
         self.call_index = 0
         self.consumed = 0  # micro-batches whose backward ran on every stage, before this plan
@@ -250,8 +255,7 @@ class PipelineEmulator:
         drift = stage.version - stage.fwd_version.pop(mb)
         stage.drift[drift] = stage.drift.get(drift, 0) + 1
         stage.step_drifts.append(drift)
-        closes_group = (mb + 1) % self.accumulation == 0
-        sync = contextlib.nullcontext() if closes_group else model.no_sync()
+        sync = contextlib.nullcontext() if closes_group(mb, self.accumulation) else model.no_sync()
         scale = float(stage.parts.optimizer.get_loss_scale())  # 1 without a loss scaler
         if stage.index == self.num_stages - 1:
             tokens = stage.tokens.pop(mb)  # this stage scales its loss by its own scale
@@ -261,6 +265,7 @@ class PipelineEmulator:
                 stage.output_grads[mb].mul_(scale / sender_scale)
         weight = self.stale_grad_weight ** drift  # the token count is weighted as the gradient
         stage.group_tokens += tokens if weight == 1.0 else weight * tokens
+        stage.plain_tokens += tokens
         if stage.index > 0:
             stage.meta_out[mb] = (scale, tokens)
         self._weigh_stale(stage, drift)
@@ -270,8 +275,6 @@ class PipelineEmulator:
                 get_model_type(model), get_model_config(model))
         if stage.index > 0:
             stage.input_grads[mb] = grad
-        if closes_group and self.tied is not None and stage.index == self.num_stages - 1:
-            self.tied.grads.append(grad_of(self.tied.last).detach().clone())
 
     def _weigh_stale(self, stage: _Stage, drift: int) -> None:
         """--paci-stale-grad-weight W: the group's earlier gradients, all at least as stale
@@ -303,17 +306,29 @@ class PipelineEmulator:
         stage.output_grads[mb] = tensor
         stage.grad_meta[mb] = meta
 
-    def _step(self, stage: _Stage, mb: int) -> None:
-        """Data-parallel reduction within the stage, then its optimizer and LR step."""
-        model, optimizer, scheduler = (stage.parts.model, stage.parts.optimizer,
-                                       stage.parts.lr_scheduler)
-        tied = self.tied if stage.index in (0, self.num_stages - 1) else None
-        owner = tied is not None and stage.index == 0
-        if owner:  # weighted before stock's all-reduce sum, made here at the owner
-            self._finish_stale_weights(stage)
-            grad_of(tied.owner).add_(tied.grads.pop(0))
+    def _send_tied_grad(self, stage: _Stage, mb: int) -> None:
+        self.tied.grads.append(grad_of(self.tied.last).detach().clone())
+
+    def _recv_tied_grad(self, stage: _Stage, mb: int) -> None:
+        """Stage 0: weighted before stock's all-reduce sum, made here. Per-token loss: the
+        last stage's half is renormalised to a mean over its own (unweighted) tokens."""
+        self._finish_stale_weights(stage)
+        stage.weighed = True
+        grad = self.tied.grads.pop(0)
+        if get_model_config(stage.parts.model).calculate_per_token_loss \
+                and not isinstance(stage.group_tokens, int):
+            totals = torch.tensor([float(stage.group_tokens), float(stage.plain_tokens)],
+                                  dtype=torch.float64)
+            if parallel_state.get_data_parallel_world_size() > 1:
+                torch.distributed.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+            grad = grad * float(totals[0] / totals[1])
+        grad_of(self.tied.owner).add_(grad)
+
+    def _reduce(self, stage: _Stage, mb: int) -> None:
+        """Data-parallel reduction within the stage, the stale weights, the per-token count."""
+        model = stage.parts.model
         model.finish_grad_sync()
-        if not owner:
+        if not stage.weighed:
             self._finish_stale_weights(stage)
         if get_model_config(model).calculate_per_token_loss:  # this stage's group's tokens
             count = torch.tensor(stage.group_tokens, dtype=torch.int if isinstance(
@@ -322,19 +337,22 @@ class PipelineEmulator:
                 torch.distributed.all_reduce(count, group=parallel_state.get_data_parallel_group())
             if count > 0:
                 model.scale_gradients(1.0 / count)
-        stage.group_tokens = 0
+        stage.group_tokens = stage.plain_tokens = 0
+        stage.weighed = False
+
+    def _step(self, stage: _Stage, mb: int) -> None:
+        """The stage's optimizer and LR step; the last stage's tied copy stays where it was
+        for the stream's first tied_lag steps (later ones install stage 0's weight at RW)."""
+        model, optimizer, scheduler = (stage.parts.model, stage.parts.optimizer,
+                                       stage.parts.lr_scheduler)
+        tied = self.tied if stage.index == self.num_stages - 1 else None
         undo = None
-        if tied is not None and stage.index > 0 and tied.last_steps < self.tied_lag:
+        if tied is not None and tied.last_steps < self.tied_lag:
             undo = tied.last_main.detach().clone()
         with keep_version_counters(list(model.parameters())):
             ok, grad_norm = self._optimizer_step(stage)
-        if tied is not None and stage.index == 0:
-            tied.weights.append(tied.owner_main.detach().clone())
-        elif tied is not None:  # the last stage follows the owner tied_lag steps late
-            if undo is None:
-                install(tied.last, tied.last_main, tied.weights.pop(0))
-                tied.installed = tied.last_steps - self.tied_lag + 1
-            else:
+        if tied is not None:
+            if undo is not None:
                 install(tied.last, tied.last_main, undo)
             tied.last_steps += 1
         if ok and scheduler is not None:
@@ -346,6 +364,17 @@ class PipelineEmulator:
         lr = optimizer.param_groups[0]["lr"] if scheduler is not None else None
         stage.steps.append(StepLog(mb, bool(ok), None if grad_norm is None else float(grad_norm),
                                    lr, weights_sha256([model])))
+
+    def _send_tied_weight(self, stage: _Stage, mb: int) -> None:
+        self.tied.weights.append(self.tied.owner_main.detach().clone())
+
+    def _recv_tied_weight(self, stage: _Stage, mb: int) -> None:
+        """The last stage takes stage 0's weight after its step closing ``mb``; the step's
+        record shows the weights after it."""
+        tied = self.tied
+        install(tied.last, tied.last_main, tied.weights.pop(0))
+        tied.installed = (mb + 1) // self.accumulation
+        stage.steps[-1].weights = weights_sha256([stage.parts.model])
 
     def _optimizer_step(self, stage: _Stage) -> tuple:
         """Megatron's optimizer step; with --paci-stale-grad-correction K its parts spelled
@@ -379,13 +408,15 @@ class PipelineEmulator:
         self.lr_increment = self.lr_increment * accumulation // self.accumulation
         self.accumulation = accumulation
         if self.plan is not None:
-            self.plan = plan_stream(self.kind, self.num_stages, accumulation, self.plan.per_call)
+            self.plan = plan_stream(self.kind, self.num_stages, accumulation, self.plan.per_call,
+                                    tied=self.tied is not None)
 
     def train_call(self, num_microbatches: int) -> List[Dict]:
         """One training iteration: every stage runs its list up to its next N backwards.
         Returns the last stage's loss records of this call, in micro-batch order."""
         if self.plan is None:
-            self.plan = plan_stream(self.kind, self.num_stages, self.accumulation, num_microbatches)
+            self.plan = plan_stream(self.kind, self.num_stages, self.accumulation, num_microbatches,
+                                    tied=self.tied is not None)
             self.call_index = 0
             for stage in self.stages:
                 stage.parts.model.zero_grad_buffer()
@@ -394,7 +425,7 @@ class PipelineEmulator:
             raise ValueError("the number of micro-batches changed while micro-batches are in "
                              "flight; drain() first")
         self.losses = []
-        run_global(self.plan.call(self.call_index), self._run)
+        run_global(self.plan.call(self.call_index), self._run, self.mailbox)
         self.call_index += 1
         return self.losses
 
@@ -414,9 +445,10 @@ class PipelineEmulator:
             stage.tokens.clear()
             stage.grad_meta.clear()
             stage.meta_out.clear()
-            stage.group_tokens = 0
+            stage.group_tokens = stage.plain_tokens = 0
         if any(self.messages.values()):
             raise RuntimeError("drain with messages in transit (drain between calls only)")
+        self.mailbox.clear()  # stage 0's last tied weights: the catch-up takes the newest
         if self.tied is not None:
             self.tied.catch_up()
         self.plan = None

@@ -2,25 +2,26 @@
 
 Stock Megatron keeps the first stage's word embedding and the last stage's output layer equal
 by all-reducing their gradients over the embedding group at every step. Under PACI that would
-make the last stage wait for the first at each local step. Instead:
+make the last stage wait for the first at each local step. Instead, as actions of the lists
+(``schedule.py``):
 
 * stage 0 owns the tied weight; only its optimizer moves it;
-* the last stage sends its output-layer gradient of micro-batch group u (not yet reduced over
-  data parallel) right after the backward that closes u; stage 0 adds it to its own at its
-  local step u, before the data-parallel reduction (so stage 0 steps on the sum stock's
-  all-reduce computes), and sends the weight it stepped to;
-* the last stage installs stage 0's weight after step i at its own step i + L, L =
-  ``tied_lag(P, a)`` = ceil(P/a): the smallest lag at which that message has been sent before
-  the last stage needs it (stage 0 sends after step i, then runs forward (i+1)a-1+P, which the
-  last stage's step i + L waits for through the pipeline). Before that the last stage keeps
-  its copy where it was (its own optimizer's move is undone). Both copies therefore run
-  through the same values, the last stage's L steps late;
+* SG: the last stage sends its output-layer gradient of micro-batch group u (not yet reduced
+  over data parallel) right after the backward that closes u; RG: stage 0 adds it to its own
+  before its R (the data-parallel reduction), so stage 0 steps on the sum stock's all-reduce
+  computes; SW: stage 0 sends the weight it stepped to;
+* RW: the last stage installs stage 0's weight after step i at its own step i + L, L =
+  ``shape.tied_lag(P, a)`` = ceil(P/a): the smallest lag at which that message has been sent
+  before the last stage needs it (stage 0 sends after step i, then runs forward (i+1)a-1+P,
+  which the last stage's step i + L waits for through the pipeline). Before that the last
+  stage keeps its copy where it was (its own optimizer's move is undone). Both copies
+  therefore run through the same values, the last stage's L steps late;
 * a drain (and an evaluation without drain, temporarily) brings the last stage's copy up to
   date: stage 0 already sent every version, the last stage only receives.
 
 Staleness of the tied weight: a last-stage forward of group g uses owner version
 ``max(0, g - L)`` and its gradient is applied by stage 0's step g, so it is at most L steps
-stale (``tied_lag``), measured per micro-batch and checked like the stage drift.
+stale, measured per micro-batch and checked like the stage drift.
 
 The messages go over Megatron's embedding group (first and last stage of one tensor/data
 coordinate), point to point; no rank ever waits for one that was not already sent.
@@ -28,17 +29,15 @@ coordinate), point to point; no rank ever waits for one that was not already sen
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import math
 from collections import Counter, deque
 from typing import Any, Deque, List, Optional, Tuple
 
 import torch
 
-
-def tied_lag(num_stages: int, accumulation: int) -> int:
-    """Owner steps by which the last stage's copy trails stage 0's (and its staleness bound)."""
-    return math.ceil(num_stages / accumulation)
+from ..features.base import StageContext, StageFeature
+from ..shape import tied_lag
 
 
 def shared_weight(model) -> Optional[torch.nn.Parameter]:
@@ -85,9 +84,11 @@ class TiedStalenessExceeded(RuntimeError):
     pass
 
 
-class TiedEmbedding:
+class TiedEmbedding(StageFeature):
     """One stage's half of the tied-weight exchange for one PACI stream (from an empty or
     drained pipeline on; micro-batch and step numbers count from there)."""
+
+    name = "tied"
 
     def __init__(self, *, model, optimizer, stage: int, num_stages: int, accumulation: int,
                  group, histogram: Counter, bound: Optional[int] = None):
@@ -113,9 +114,11 @@ class TiedEmbedding:
         self.histogram = histogram  # kept by the runtime across streams
 
     # last stage ------------------------------------------------------------------------------
-    def on_forward(self, mb: int) -> None:
+    def before_forward(self, ctx: StageContext, mb: int) -> None:
         """Staleness of this micro-batch's use of the tied weight: stage 0 applies its
         gradient at step mb // a; the copy used holds owner version ``installed``."""
+        if self.is_owner:
+            return
         stale = mb // self.accumulation - self.installed
         if stale > self.bound:
             raise TiedStalenessExceeded(
@@ -125,28 +128,33 @@ class TiedEmbedding:
         self.histogram[stale] += 1
 
     def send_output_grad(self) -> None:
-        """After the backward that closes a group: the output layer's gradient to stage 0."""
+        """SG, after the backward that closes a group: the output layer's gradient to stage 0."""
         grad = grad_of(self.weight).detach().clone()
         work = torch.distributed.isend(grad, dst=self.peer, group=self.group)
         self.sends.append((self.steps, work, grad))
 
-    def before_last_step(self) -> None:
-        if self.steps < self.lag:
+    def before_step(self, ctx: StageContext) -> None:
+        if not self.is_owner and self.steps < self.lag:
             self.snapshot = self.main.detach().clone()
 
-    def after_last_step(self) -> None:
-        """Undo this stage's own move of the tied weight: install stage 0's weight after its
-        step ``steps - L`` (or keep the stream's starting value before that)."""
-        if self.steps >= self.lag:
-            self._receive_upto(self.steps - self.lag + 1)
-            install(self.weight, self.main, self.inbox.popleft())
-            self.installed = self.steps - self.lag + 1
-        else:
+    def after_step(self, ctx: StageContext, record) -> None:
+        """Last stage: undo its own move of the tied weight; the first L steps of a stream
+        keep the stream's starting value, the later ones get stage 0's from RW."""
+        if self.is_owner:
+            return
+        if self.steps < self.lag:
             install(self.weight, self.main, self.snapshot)
             self.snapshot = None
         self.steps += 1
         # stage 0 received gradient u at its step u, which precedes this step if u <= steps-1-L
         self._wait_sends(self.steps - 1 - self.lag)
+
+    def install_weight(self, owner_mb: int) -> None:
+        """RW: stage 0's weight after its step closing ``owner_mb`` (received if not yet)."""
+        version = (owner_mb + 1) // self.accumulation
+        self._receive_upto(version)
+        install(self.weight, self.main, self.inbox.popleft())
+        self.installed = version
 
     def _receive_upto(self, count: int) -> None:
         while self.received < count:
@@ -156,16 +164,18 @@ class TiedEmbedding:
             self.received += 1
 
     # stage 0 ---------------------------------------------------------------------------------
-    def add_output_grad(self) -> None:
-        """Before stage 0's data-parallel reduction at its step: add the last stage's gradient
-        of the same group (sent before stage 0's closing backward could run)."""
+    def add_output_grad(self, factor: float = 1.0) -> None:
+        """RG, before stage 0's data-parallel reduction: add the last stage's gradient of the
+        same group (sent before stage 0's closing backward could run), times ``factor``."""
         grad = grad_of(self.weight)
         buf = torch.empty_like(grad)
         torch.distributed.irecv(buf, src=self.peer, group=self.group).wait()
+        if factor != 1.0:
+            buf.mul_(factor)
         grad.add_(buf)
 
     def send_weight(self) -> None:
-        """After stage 0's step: the stepped weight (its master copy) to the last stage."""
+        """SW, after stage 0's step: the stepped weight (its master copy) to the last stage."""
         value = self.main.detach().clone()
         work = torch.distributed.isend(value, dst=self.peer, group=self.group)
         self.sends.append((self.steps, work, value))
@@ -192,7 +202,24 @@ class TiedEmbedding:
         self._receive_upto(self.steps)
         return self.inbox[-1] if self.installed < self.steps and self.inbox else None
 
-    def drain(self) -> None:
+    @contextlib.contextmanager
+    def current_weight(self):
+        """Evaluation without a drain: the last stage reads stage 0's current tied weight
+        (already sent; kept for the steps that install it) and gets its lagging copy back."""
+        latest = self.latest_for_eval()
+        if latest is None:
+            yield
+            return
+        lagging = self.weight.detach().clone()
+        with torch.no_grad():
+            self.weight.data.copy_(latest)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                self.weight.data.copy_(lagging)
+
+    def on_drain(self, ctx: StageContext) -> None:
         """Both copies equal again: the last stage installs stage 0's newest weight; every
         message of this stream is delivered."""
         if not self.is_owner:
@@ -202,10 +229,6 @@ class TiedEmbedding:
                 self.installed = self.steps
             self.inbox.clear()
         self._wait_sends(self.steps)
-
-    def summary(self) -> dict:
-        return {"max": max(self.histogram, default=0), "bound": self.bound, "lag": self.lag,
-                "histogram": dict(sorted(self.histogram.items()))}
 
 
 def tied_sha256(model, optimizer) -> Optional[str]:

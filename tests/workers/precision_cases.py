@@ -10,7 +10,7 @@ import sys
 import torch
 
 from paci_megatron.mcore import build
-from paci_megatron.mcore.runtime import GradMeta
+from paci_megatron.mcore.grad_meta import GradMeta
 import paci_cases  # same folder: the script's own
 from paci_cases import MBS, digest, finish, make_runtime
 from case_args import parse_case_args

@@ -19,11 +19,14 @@ from typing import Dict, List
 import torch
 
 from paci_megatron.adapt import Adaptive, candidates
+from paci_megatron.features import StaleGradCorrection, StaleGradWeights, StageFeature
 from paci_megatron.mcore import build
+from paci_megatron.mcore.handlers import MegatronHandlers
 from paci_megatron.mcore.reference import (PipelineEmulator, StageParts, audit_backward,
                                             weights_sha256)
 from paci_megatron.mcore.runtime import PaciRuntime, get_forward_backward_func
 from paci_megatron.mcore.tied import tied_sha256
+from paci_megatron.plan_policy import AdaptivePlan
 
 from case_args import parse_case_args  # same folder: the script's own
 
@@ -149,21 +152,29 @@ def run_runtime(case: str, out_dir: str) -> None:
     parts = build_parts(cfg)
     adaptive = Adaptive(cfg["pp"], cfg["n"], candidates(cfg["pp"], cfg["n"], None), interval=1,
                         tolerance=0.0, policy="cycle") if cfg["factors"] else None
-    rt = PaciRuntime(kind="paci", accumulation=cfg["a"], adaptive=adaptive,
-                     stale_grad_weight=cfg["stale_weight"],
-                     stale_grad_correction=cfg["correction"])
+    features = ([StaleGradWeights(cfg["stale_weight"])] if cfg["stale_weight"] != 1.0 else []) \
+        + ([StaleGradCorrection(cfg["correction"])] if cfg["correction"] else [])
+    rt = PaciRuntime(kind="paci", accumulation=cfg["a"], features=features,
+                     policy=AdaptivePlan(cfg["pp"], adaptive) if adaptive else None)
     rt.bind(parts.optimizer, parts.lr_scheduler, lr_increment=cfg["a"] * MBS * info["dp_size"])
     steps: List[Dict] = []
-    local_step = rt.local_step
 
-    def recording_step(mb: int) -> None:
-        local_step(mb)
-        record = rt.steps[-1]
-        steps.append(dict(mb=record.mb, ok=record.update_successful,
-                          grad_norm=_hex(record.grad_norm), lr=_hex(record.lr),
-                          weights=weights_sha256([parts.model])))
+    class Recorder(StageFeature):
+        """Every step's record with the weights after it (a feature's after_step hook)."""
 
-    rt.local_step = recording_step
+        def after_step(self, ctx, record) -> None:
+            steps.append(dict(mb=record.mb, ok=record.update_successful,
+                              grad_norm=_hex(record.grad_norm), lr=_hex(record.lr),
+                              weights=weights_sha256([parts.model])))
+
+    rt.user_features.append(Recorder())
+    install_weight = MegatronHandlers.recv_tied_weight
+
+    def install_and_record(self, mb: int) -> None:  # the weights after the whole step block
+        install_weight(self, mb)
+        steps[-1]["weights"] = weights_sha256([parts.model])
+
+    MegatronHandlers.recv_tied_weight = install_and_record
     losses: List[str] = []
     eval_data = build.mock_data_iterator(spec_of(cfg), MBS, SEED + 1) \
         if info["is_first"] or info["is_last"] else None

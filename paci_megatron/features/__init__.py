@@ -1,0 +1,24 @@
+"""Stage features: PACI's convergence methods and options, one object each (see ``base``).
+
+Plain PACI is the empty list. ``FEATURES`` lists every feature with flags, in the order their
+hooks run; ``build_features`` makes the ones a resolved configuration asks for.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+from .base import StageContext, StageFeature
+from .stale_correction import StaleGradCorrection
+from .stale_weights import StaleGradWeights
+
+FEATURES = (StaleGradWeights, StaleGradCorrection)
+
+
+def build_features(cfg) -> List[StageFeature]:
+    """The features ``cfg`` (a ``config.PaciConfig``, or anything with its fields) turns on."""
+    return [f for f in (cls.from_config(cfg) for cls in FEATURES) if f is not None]
+
+
+__all__ = ["FEATURES", "StageContext", "StageFeature", "StaleGradCorrection", "StaleGradWeights",
+           "build_features"]

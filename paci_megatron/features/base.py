@@ -1,0 +1,99 @@
+"""What a stage feature is: one convergence method or option, with the hooks it needs.
+
+Pure Python at import. The runtime calls every feature's hooks at fixed points of its
+sequence (``mcore/local_step.py``, ``mcore/handlers.py``); it never asks which features are
+on. A feature owns its state, its flags (``FLAGS``, in ``config.paci_flags``) and their
+checks (``check``), and builds itself from the resolved configuration (``from_config``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, ContextManager, List, Optional, Sequence, Tuple
+
+from ..executor import DriftStats
+
+
+def sub_optimizers(optimizer) -> list:
+    """Megatron's chained optimizer's parts, or the optimizer itself."""
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+@dataclass
+class StageContext:
+    """What features may read of their stage."""
+
+    stage: int
+    num_stages: int
+    drift: DriftStats
+    optimizer: Any = None
+    params: Tuple = ()
+    features: List["StageFeature"] = field(default_factory=list)
+
+    def group_mean_drift(self) -> float:
+        """The mean drift of the group the next step applies, weighted as its gradients are."""
+        for feature in self.features:
+            mean = feature.weighted_mean_drift()
+            if mean is not None:
+                return mean
+        return self.drift.group_mean_drift
+
+
+class StageFeature:
+    """Base: every hook does nothing. Hooks, in the order a stage meets them:
+
+    - ``before_forward`` / ``after_forward``: around a micro-batch's forward;
+    - ``backward_factor``: on a backward, the factor the group's gradient buffer is scaled by
+      before that micro-batch's gradient joins it, and ``token_weight``, its token count's;
+    - ``finish_factor``: once per group, when its gradients are finished (R, or stage 0's RG
+      before the tied output-layer gradient joins);
+    - ``before_step``, ``around_optimizer`` (entered only when the optimizer is called),
+      ``after_step``: around the local step;
+    - ``on_drain``: the stream stops at a group boundary;
+    - ``describe`` (the start-up line) and ``summary`` (the stage's report).
+    """
+
+    name = "feature"
+    FLAGS: Sequence = ()
+
+    @staticmethod
+    def check(args, layout) -> None:
+        """Refuse bad values and combinations of this feature's flags (raise ConfigError)."""
+
+    def describe(self) -> str:
+        return ""
+
+    def summary(self) -> dict:
+        return {}
+
+    def before_forward(self, ctx: StageContext, mb: int) -> None:
+        pass
+
+    def after_forward(self, ctx: StageContext, mb: int) -> None:
+        pass
+
+    def backward_factor(self, ctx: StageContext, drift: int) -> float:
+        return 1.0
+
+    def token_weight(self, drift: int) -> float:
+        return 1.0
+
+    def finish_factor(self, ctx: StageContext, per_token: bool) -> float:
+        return 1.0
+
+    def weighted_mean_drift(self) -> Optional[float]:
+        """A feature that weighs gradients says how it weighs the group's drift."""
+        return None
+
+    def before_step(self, ctx: StageContext) -> None:
+        pass
+
+    def around_optimizer(self, ctx: StageContext) -> ContextManager:
+        return contextlib.nullcontext()
+
+    def after_step(self, ctx: StageContext, record) -> None:
+        pass
+
+    def on_drain(self, ctx: StageContext) -> None:
+        pass

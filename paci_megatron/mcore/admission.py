@@ -1,0 +1,131 @@
+"""What a PACI stream checks and sets up before its first action: the process groups it hands
+Megatron, the stage-crossing reductions it refuses, and the plan itself, run through the
+simulator's checks and its NCCL model with this run's own P, a, N and communication flags."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.utils import get_model_config
+
+from ..autograd_versions import ZERO_CENTERED_GAMMA
+from ..schedule import StreamPlan
+from ..simulate import NcclModel, ScheduleError, check_plan
+
+
+def pipeline_groups() -> ProcessGroupCollection:
+    """The groups stock 1F1B hands to finalize_model_grads."""
+    pg = ProcessGroupCollection()
+    pg.tp = parallel_state.get_tensor_model_parallel_group()
+    pg.pp = parallel_state.get_pipeline_model_parallel_group()
+    pg.cp = parallel_state.get_context_parallel_group()
+    pg.embd = parallel_state.get_embedding_group(check_initialized=False)
+    pg.pos_embd = parallel_state.get_position_embedding_group(check_initialized=False)
+    pg.dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    return pg
+
+
+def stage_local_groups(pg: ProcessGroupCollection) -> ProcessGroupCollection:
+    """``pg`` with a one-rank embedding group: finalize_model_grads then skips the tied
+    embedding all-reduce between the first and last stage (an embd of None would make it
+    look the global one up again); the SG/RG and SW/RW actions replace that all-reduce."""
+    out = ProcessGroupCollection()
+    for name in ("tp", "pp", "cp", "pos_embd", "dp_cp"):
+        setattr(out, name, getattr(pg, name))
+    out.embd = torch.distributed.new_group([torch.distributed.get_rank()],
+                                           use_local_synchronization=True)
+    return out
+
+
+def stage_grad_stats_group(optimizer) -> Any:
+    """Grad-norm / found-inf reductions restricted to this stage (tensor x data parallel for
+    the distributed optimizer, whose grads are sharded over data parallel; tensor otherwise)."""
+    if getattr(optimizer.config, "use_distributed_optimizer", False):
+        return parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def unwrap(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def check_no_cross_stage_grad_reduction(model, pg: ProcessGroupCollection) -> None:
+    """finalize_model_grads crosses stages for tied word embeddings and multi-token prediction
+    (first <-> last stage), position embeddings split over stages, conditional embedders (all
+    stages) and barriered level-1 timers (all ranks); PACI refuses them instead of stalling."""
+    if pg.pp.size() == 1:
+        return
+    if getattr(unwrap(model), "share_embeddings_and_output_weights", False):
+        check_tied_supported(model)
+    if pg.pos_embd is not None and pg.pos_embd.size() > 1:
+        raise ValueError("PACI does not support position embeddings shared across stages")
+    config = get_model_config(model)
+    if getattr(config, "mtp_num_layers", None):
+        raise ValueError(
+            "PACI does not support multi-token prediction across pipeline stages: "
+            "finalize_model_grads all-reduces the embedding between the first and last stage "
+            "at every step; drop --mtp-num-layers or use one pipeline stage")
+    if getattr(config, "has_cond_embedder", False):
+        raise ValueError(
+            "PACI does not support conditional embedders replicated on every stage: "
+            "finalize_model_grads all-reduces their gradients over the pipeline group at every "
+            "step")
+    timers = getattr(config, "timers", None)
+    if timers is not None and getattr(timers, "_log_level", 0) >= 1 \
+            and getattr(config, "barrier_with_L1_time", False):
+        raise ValueError(
+            "PACI cannot run level-1 timers with barriers: finalize_model_grads and the "
+            "optimizer would barrier all ranks inside each stage's local step; use "
+            "--timing-log-level 0")
+
+
+def check_tied_supported(model) -> None:
+    """Tied embeddings under PACI exchange the output layer's raw gradient and stage 0's
+    stepped weight (``tied.py``); refuse what that exchange does not cover."""
+    ddp = getattr(model, "ddp_config", None)
+    if ddp is not None and ddp.use_distributed_optimizer:
+        raise ValueError(
+            "PACI with tied input/output embeddings does not support the distributed optimizer "
+            "yet (the last stage installs stage 0's weight into its own optimizer's copy); drop "
+            "--use-distributed-optimizer or add --untie-embeddings-and-output-weights")
+    if ddp is not None and ddp.overlap_grad_reduce:
+        raise ValueError(
+            "PACI with tied input/output embeddings does not support --overlap-grad-reduce yet "
+            "(the last stage sends its output-layer gradient before the data-parallel "
+            "reduction, which --overlap-grad-reduce starts during the backward); drop "
+            "--overlap-grad-reduce or add --untie-embeddings-and-output-weights")
+
+
+def check_paci_model(model, pg: ProcessGroupCollection) -> None:
+    """Everything PACI refuses about a model, before its stream starts."""
+    check_no_cross_stage_grad_reduction(model, pg)
+    if getattr(get_model_config(model), "layernorm_zero_centered_gamma", False):
+        raise ValueError(ZERO_CENTERED_GAMMA)
+
+
+def nccl_model_of(config) -> Optional[NcclModel]:
+    """How this run's point-to-point traffic meets NCCL; None on gloo (sends never block)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_backend() != "nccl":
+        return None
+    return NcclModel(batched=bool(config.batch_p2p_comm),
+                     shapes=bool(getattr(config, "variable_seq_lengths", False)))
+
+
+def admit_plan(plan: StreamPlan, config) -> None:
+    """Run the user's actual plan through the simulator's checks and this run's NCCL model;
+    refuse it, naming why, if they reject it."""
+    model = nccl_model_of(config)
+    try:
+        check_plan(plan, model)
+    except ScheduleError as exc:
+        where = f" under {model}" if model is not None else ""
+        raise ValueError(
+            f"the {plan.kind} plan P={plan.num_stages} a={plan.accumulation} N={plan.per_call}"
+            f"{' with tied embeddings' if plan.tied else ''} fails its checks{where}: {exc}. "
+            "Change --paci-accumulation-factor or --global-batch-size (or report it: the "
+            "shipped plans pass these checks for P <= 8)") from exc

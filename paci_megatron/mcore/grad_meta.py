@@ -1,0 +1,105 @@
+"""What travels back with each activation gradient under --fp16 and --calculate-per-token-loss.
+
+Two numbers, from the last stage towards stage 0, as a separate tiny message right after the
+gradient in the same exchange (both sides post in that order), so it is part of the SB/RB
+actions: the loss scale the gradient is expressed in, and the micro-batch's token count.
+
+fp16: each stage has its own dynamic loss scaler and skips its own overflowing steps, so the
+scalers drift apart. A gradient leaves a stage scaled by that stage's current scale (the last
+stage's loss is scaled by its own, as stock does); the receiver rescales it by (own scale /
+sender's scale), a power of two, so exact, before its backward. A scale changes only at a
+local step, so all backwards of a group use one scale.
+
+Per-token loss: the last stage counts each micro-batch's tokens; every stage sums the counts of
+its group and divides its gradients by the sum (all-reduced over data-parallel ranks, as
+stock) when the group is finished: stock broadcasts the count over the pipeline group instead.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from ..features.base import sub_optimizers
+
+
+class GradMeta:
+    def __init__(self, *, fp16: bool, per_token: bool):
+        self.fp16 = fp16
+        self.per_token = per_token
+        self.device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        self.group_tokens = 0  # this stage's tokens since its last step, weighted as its grads
+        self.plain_tokens = 0  # the same, unweighted
+        self._totals: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+
+    def before_backward(self, state, mb: int, own_scale: float, *, is_first: bool,
+                        is_last: bool, token_weight: float = 1.0) -> None:
+        if is_last:
+            sender, tokens = own_scale, int(state.tokens.pop(mb))
+        else:
+            sender, tokens = state.meta_in.pop(mb)
+            if sender != own_scale:
+                with torch.no_grad():  # Megatron's receive buffers require grad
+                    state.output_grads[mb].mul_(own_scale / sender)
+        # --paci-stale-grad-weight: the count is weighted as the gradient is
+        self.group_tokens += tokens if token_weight == 1.0 else token_weight * tokens
+        self.plain_tokens += tokens
+        if not is_first:
+            state.meta_out[mb] = torch.tensor([own_scale, tokens], dtype=torch.float64,
+                                              device=self.device)
+
+    def send(self, meta: torch.Tensor, dst: int, group) -> tuple:
+        work = torch.distributed.isend(meta, dst=dst, group=group)
+        return work, meta  # the tensor stays referenced until the send is waited for
+
+    def receive(self, src: int, group) -> tuple:
+        buf = torch.empty(2, dtype=torch.float64, device=self.device)
+        torch.distributed.irecv(buf, src=src, group=group).wait()
+        scale, tokens = buf.tolist()
+        return scale, int(tokens)
+
+    @property
+    def weighted(self) -> bool:
+        return not isinstance(self.group_tokens, int)
+
+    def _count(self, dp_cp_group) -> torch.Tensor:
+        count = torch.tensor(self.group_tokens, device=self.device,
+                             dtype=torch.float64 if self.weighted else torch.int)
+        if dp_cp_group is not None and dp_cp_group.size() > 1:
+            torch.distributed.all_reduce(count, group=dp_cp_group)
+        return count
+
+    def tied_half_factor(self, dp_cp_group) -> float:
+        """Stage 0 with tied embeddings: the factor for the last stage's output-layer gradient
+        before it joins this stage's own, so that after the division by this stage's
+        (weighted) count each half is a mean over its own tokens: the last stage has no drift,
+        so its half is divided by the plain count. 1 when the counts are not weighted."""
+        if not self.weighted:
+            return 1.0
+        totals = torch.tensor([float(self.group_tokens), float(self.plain_tokens)],
+                              dtype=torch.float64, device=self.device)
+        if dp_cp_group is not None and dp_cp_group.size() > 1:
+            torch.distributed.all_reduce(totals, group=dp_cp_group)
+        self._totals = (totals[0], totals[1])
+        weighted, plain = self._totals
+        return float(weighted / plain) if plain > 0 else 1.0
+
+    def divide_by_tokens(self, model, dp_cp_group) -> None:
+        """What stock finalize_model_grads does with num_tokens, minus the pipeline broadcast."""
+        count = self._totals[0] if self._totals is not None else self._count(dp_cp_group)
+        self.reset()
+        if count > 0:
+            model.scale_gradients(1.0 / count)
+
+    def reset(self) -> None:
+        self.group_tokens = self.plain_tokens = 0
+        self._totals = None
+
+
+def grad_meta_for(config, optimizer) -> Optional[GradMeta]:
+    """A GradMeta when fp16 or per-token loss is on; None otherwise (no extra message)."""
+    # fp16 always has a grad scaler (bf16 only with --loss-scale)
+    fp16 = any(getattr(opt, "grad_scaler", None) is not None for opt in sub_optimizers(optimizer))
+    per_token = bool(getattr(config, "calculate_per_token_loss", False))
+    return GradMeta(fp16=fp16, per_token=per_token) if fp16 or per_token else None
