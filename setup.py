@@ -10,7 +10,8 @@ setup(
     python_requires=">=3.10",
     # the repo-root folder patches/ ships as paci_megatron.patches
     packages=["paci_megatron", "paci_megatron.features", "paci_megatron.mcore",
-              "paci_megatron.patches", "paci_megatron.patches.megatron_lm"],
+              "paci_megatron.tools", "paci_megatron.patches",
+              "paci_megatron.patches.megatron_lm"],
     package_dir={"paci_megatron.patches": "patches"},
     py_modules=[],
     install_requires=[

@@ -8,7 +8,7 @@
 #   bash benchmarks/convergence_study.sh [OUT]      (default OUT=/tmp/study; ~2-3 h on 2 idle cores)
 #
 # Needs the tokenized corpus (once, ~1 min):
-#   python -m paci_megatron.preprocess_data --input ../shared/data/tinyshakespeare.txt \
+#   python -m paci_megatron.tools.preprocess_data --input ../shared/data/tinyshakespeare.txt \
 #       --output-prefix /tmp/cmp_shk/shakespeare --tokenizer-model /tmp/cmp_shk/spm.model --vocab-size 2000
 # --reuse keeps runs already finished in OUT with the same flags, so an interrupted study
 # resumes, and a new --run adds only its own runs.
@@ -31,7 +31,7 @@ for MBS in 4 2; do
   LONG=()
   [ "$M" = 8 ] && LONG=(--run paci-k4000-long="$K --train-iters 1375"
                         --run paci-w0.2-long="$W --train-iters 1375")
-  python -m paci_megatron.compare --reuse --schedules 1f1b --seeds 1234,1235 \
+  python -m paci_megatron.tools.compare --reuse --schedules 1f1b --seeds 1234,1235 \
       --nproc-per-node 4 --out "$OUT/m$M" \
       --run paci-plain="$PLAIN" \
       --run paci-plain-sync50="$PLAIN --paci-sync-iters 50" \

@@ -3,7 +3,7 @@
     python benchmarks/fidelity_table.py --theirs FLUSH.json PACI.json --ours DIR [--runs paci,paci-drain]
 
 FLUSH.json / PACI.json: what the fidelity driver of the authors' code writes
-({"evals": [[iteration, loss], ...]}); DIR: a `paci_megatron.compare` output directory
+({"evals": [[iteration, loss], ...]}); DIR: a `paci_megatron.tools.compare` output directory
 (`1f1b.jsonl` and one `NAME.jsonl` per PACI run). Prints one markdown row per evaluation.
 """
 import argparse

@@ -238,7 +238,7 @@ def check_loss_scales(args) -> None:
 def _validate_data_and_outputs(args) -> None:
     if args.tokenizer_model is not None and not os.path.isfile(args.tokenizer_model):
         raise ConfigError(f"--tokenizer-model {args.tokenizer_model}: no such file; run "
-                          "python -m paci_megatron.preprocess_data first")
+                          "python -m paci_megatron.tools.preprocess_data first")
     if args.data_path is not None and args.mock_data:
         raise ConfigError("--mock-data and --data-path are exclusive; drop one")
     if args.data_path is not None:
@@ -250,7 +250,7 @@ def _validate_data_and_outputs(args) -> None:
                                   "--tokenizer-model (the .model file preprocess_data wrote)")
             if not os.path.isfile(args.tokenizer_model):
                 raise ConfigError(f"--tokenizer-model {args.tokenizer_model}: no such file; "
-                                  "run python -m paci_megatron.preprocess_data first")
+                                  "run python -m paci_megatron.tools.preprocess_data first")
         for ext in (".bin", ".idx"):
             if not os.path.isfile(args.data_path + ext):
                 raise ConfigError(f"--data-path {args.data_path}: {args.data_path + ext} does "

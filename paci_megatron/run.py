@@ -191,14 +191,13 @@ def local_steps_before(margs, cfg: PaciConfig, iteration: int) -> int:
 
 def report(runtime) -> None:
     """Every rank: gather the drift statistics over the pipeline; the last stage prints them."""
-    from megatron.core import parallel_state
-
+    from .mcore.build import stage_info
     from .mcore.runtime import gather_across_pipeline
 
     rows = gather_across_pipeline(runtime.drift_summary())
     tied = gather_across_pipeline(runtime.tied_digest())
-    if runtime.is_last and parallel_state.get_tensor_model_parallel_rank() == 0 \
-            and parallel_state.get_data_parallel_rank() == 0:
+    info = stage_info()
+    if info["is_last"] and info["tp_rank"] == 0 and info["dp_rank"] == 0:
         for row in rows:
             skipped = f", skipped {row['skipped_steps']}" if row["skipped_steps"] else ""
             print(f"> PACI stage {row['stage']}: max drift {row['max']} (bound {row['bound']}), "

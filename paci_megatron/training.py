@@ -21,28 +21,15 @@ import torch
 from .mcore import build, checkpoint
 from .mcore import runtime as mcore_runtime
 from .mcore.tied import tied_sha256
+from .job_log import (final_record, log, log_final_drift, log_iteration, log_start, mean_loss,
+                      memory_record, pipeline_table, tensorboard_writer, trim_metrics_file,
+                      write_metrics)
 from .memory import LiveTensorMeter, SavedTensorMeter
 from .quiet import is_local_rank0
 from .config import PaciConfig
 from .registry import SCHEDULES_BY_NAME
 from .shape import local_steps_ramped
-from .restart import SaveClock, describe_mismatch, restart_count, run_fingerprint, trim_metrics
-
-
-def _log(msg: str) -> None:
-    print(msg, flush=True)
-
-
-def _mean_loss(losses: List[dict]) -> Optional[float]:
-    """Mean over micro-batches; with --calculate-per-token-loss each value is [loss sum,
-    tokens] and the mean is over tokens (as Megatron-LM's train_step)."""
-    values = [d["lm loss"] for d in losses if "lm loss" in d]
-    if not values:
-        return None
-    if getattr(values[0], "numel", lambda: 1)() == 2:
-        total = sum(v.double() for v in values)
-        return float(total[0] / total[1].clamp(min=1))
-    return sum(float(v) for v in values) / len(values)
+from .restart import SaveClock, describe_mismatch, restart_count, run_fingerprint
 
 
 @dataclass
@@ -134,7 +121,7 @@ def _check_lr_schedule_on_load(args) -> None:
     from .mcore import lr_resume
 
     try:
-        lr_resume.check_lr_schedule_on_load(args, log=_log)
+        lr_resume.check_lr_schedule_on_load(args, log=log)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -205,9 +192,9 @@ def setup(args, opts: PaciConfig) -> Job:
         _load(job)
     restart = restart_count(os.environ)
     if reporter and restart:
-        _log(f"> restart {restart} of this job (torchrun TORCHELASTIC_RESTART_COUNT={restart}, "
-             f"--max-restarts {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}): resumed from "
-             f"iteration {job.iteration}")
+        log(f"> restart {restart} of this job (torchrun TORCHELASTIC_RESTART_COUNT={restart}, "
+            f"--max-restarts {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}): resumed from "
+            f"iteration {job.iteration}")
     job.train_data = _batches(job, datasets[0], job.consumed)
     job.forward_step = build.gpt_forward_step
     if args.measure_activation_memory:
@@ -218,10 +205,10 @@ def setup(args, opts: PaciConfig) -> Job:
         job.live_meter = LiveTensorMeter().start()
     if reporter and args.metrics_file:
         if resumed:
-            _trim_metrics(args.metrics_file, job.iteration)
+            trim_metrics_file(args.metrics_file, job.iteration)
         job.metrics = open(args.metrics_file, "a")
     if reporter and args.tensorboard_dir:
-        job.tensorboard = _tensorboard(args.tensorboard_dir,
+        job.tensorboard = tensorboard_writer(args.tensorboard_dir,
                                        purge_step=job.iteration + 1 if resumed else None)
     if args.save_interval_minutes:
         job.save_clock = SaveClock(args.save_interval_minutes * 60.0, job.iteration,
@@ -236,7 +223,7 @@ def _load(job: Job) -> None:
     args = job.args
     if checkpoint.find_checkpoint(args.load) is None:
         if job.reporter:
-            _log(f"> --load {args.load}: no checkpoint there yet; starting from scratch")
+            log(f"> --load {args.load}: no checkpoint there yet; starting from scratch")
         return
     state = checkpoint.load_checkpoint(args.load, job.model, job.optimizer, job.lr_scheduler)
     job.iteration = state["iteration"]
@@ -245,58 +232,8 @@ def _load(job: Job) -> None:
     if job.runtime is not None:  # weight versions count local steps since the start
         job.runtime.resume_at(job.iteration, _local_steps_before(job))
     if job.reporter:
-        _log(f"> loaded checkpoint from {args.load} at iteration {job.iteration} "
-             f"({job.consumed} samples consumed; {state['path']})")
-
-
-def _trim_metrics(path: str, iteration: int) -> None:
-    kept, dropped = trim_metrics(path, iteration)
-    if dropped:
-        _log(f"> --metrics-file {path}: dropped {dropped} records after iteration {iteration} "
-             f"(kept {kept}); the resumed run writes those iterations again, once")
-
-
-def _tensorboard(path: str, purge_step: Optional[int] = None):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        _log("> --tensorboard-dir: tensorboard is not installed (pip install tensorboard); "
-             "scalars are not written")
-        return None
-    # purge_step: events of replayed steps (from before a restart) are discarded
-    return SummaryWriter(log_dir=path, purge_step=purge_step)
-
-
-def _stage_stats(job: Job) -> Optional[List[Optional[Dict]]]:
-    """Per stage, the drift summary this rank knows without communicating: its own stage's.
-    A gather over the pipeline group would make every stage wait for the slowest at each log
-    line (about P-1 backwards under PACI); the full table is gathered only where the stages
-    meet anyway: at checkpoints and at the end (``_pipeline_table``)."""
-    if job.runtime is None:
-        return None
-    row = job.runtime.drift_summary()
-    return [row if s == row["stage"] else None for s in range(job.info["pp_size"])]
-
-
-def _pipeline_table(job: Job) -> List[Dict]:
-    """Every stage's drift summary: a gather over the pipeline group, so call it only after a
-    drain (checkpoints, end of training), where no stage is waiting on another's messages."""
-    return mcore_runtime.gather_across_pipeline(job.runtime.drift_summary())
-
-
-def _write_metrics(job: Job, record: Dict) -> None:
-    if job.metrics is not None:
-        job.metrics.write(json.dumps(record) + "\n")
-        job.metrics.flush()
-    if job.tensorboard is not None:
-        step = record.get("iteration", job.iteration)
-        for key, value in record.items():
-            values = value if isinstance(value, list) else [value]
-            for s, v in enumerate(values):
-                if key == "iteration" or isinstance(v, bool) or not isinstance(v, (int, float)):
-                    continue  # not a scalar (None: not measured)
-                job.tensorboard.add_scalar(f"{key}/stage{s}" if isinstance(value, list) else key,
-                                           v, step)
+        log(f"> loaded checkpoint from {args.load} at iteration {job.iteration} "
+            f"({job.consumed} samples consumed; {state['path']})")
 
 
 def _micro_batches_now(job: Job) -> int:
@@ -309,10 +246,10 @@ def _micro_batches_now(job: Job) -> int:
     num_mb = job.ramp.micro_batches(job.consumed)
     dropped = job.runtime.use_microbatches(num_mb) if job.runtime is not None else None
     if dropped is not None and job.reporter:
-        _log(f"> PACI: {num_mb} micro-batches per iteration from iteration {job.iteration + 1} "
-             f"(--rampup-batch-size), accumulation factor {job.runtime.accumulation}; drained "
-             f"the pipeline (this stage dropped {dropped} in-flight forwards; their data is "
-             "replayed)")
+        log(f"> PACI: {num_mb} micro-batches per iteration from iteration {job.iteration + 1} "
+            f"(--rampup-batch-size), accumulation factor {job.runtime.accumulation}; drained "
+            f"the pipeline (this stage dropped {dropped} in-flight forwards; their data is "
+            "replayed)")
     return num_mb
 
 
@@ -348,7 +285,7 @@ def train_step(job: Job) -> Dict:
         grad_norm = job.runtime.steps[-1].grad_norm if job.runtime.steps else None
     job.iteration += 1
     job.consumed += samples
-    return {"loss": _mean_loss(losses), "grad_norm": grad_norm, "samples": samples}
+    return {"loss": mean_loss(losses), "grad_norm": grad_norm, "samples": samples}
 
 
 def evaluate(job: Job) -> Optional[float]:
@@ -361,11 +298,11 @@ def evaluate(job: Job) -> Optional[float]:
     if job.runtime is not None and job.runtime.primed and job.opts.drain_before_eval:
         dropped = job.runtime.drain()
         if job.reporter:
-            _log(f"> PACI: drained the pipeline before evaluation at iteration {job.iteration} "
-                 f"(this stage dropped {dropped} in-flight forwards; their data is replayed)")
+            log(f"> PACI: drained the pipeline before evaluation at iteration {job.iteration} "
+                f"(this stage dropped {dropped} in-flight forwards; their data is replayed)")
     if job.reporter and job.runtime is not None and job.runtime.primed:
-        _log(f"> evaluating at iteration {job.iteration}: PACI pipeline not drained (every stage "
-             f"at local step {job.runtime.drift.version}; its in-flight micro-batches are kept)")
+        log(f"> evaluating at iteration {job.iteration}: PACI pipeline not drained (every stage "
+            f"at local step {job.runtime.drift.version}; its in-flight micro-batches are kept)")
     data = _batches(job, job.datasets[1], 0)
     for chunk in job.model:
         chunk.eval()
@@ -376,7 +313,7 @@ def evaluate(job: Job) -> Optional[float]:
                 forward_step_func=build.gpt_forward_step, data_iterator=data, model=job.model,
                 num_microbatches=args.num_microbatches, seq_length=args.seq_length,
                 micro_batch_size=args.micro_batch_size, forward_only=True)
-        loss = _mean_loss(losses)
+        loss = mean_loss(losses)
         if loss is not None:
             total.append(loss)
     for chunk in job.model:
@@ -384,8 +321,8 @@ def evaluate(job: Job) -> Optional[float]:
     value = sum(total) / len(total) if total else None
     job.last_eval = (job.iteration, value)
     if job.reporter:
-        _log(f" validation loss at iteration {job.iteration} | lm loss value: {value:.6e} | "
-             f"lm loss PPL: {math.exp(min(value, 50)):.3f}")
+        log(f" validation loss at iteration {job.iteration} | lm loss value: {value:.6e} | "
+            f"lm loss PPL: {math.exp(min(value, 50)):.3f}")
     return value
 
 
@@ -393,14 +330,14 @@ def save(job: Job) -> None:
     if job.runtime is not None and job.runtime.primed:
         dropped = job.runtime.drain()
         if job.reporter:
-            _log(f"> PACI: drained the pipeline before saving (this stage dropped {dropped} "
-                 "in-flight forwards; their data is replayed)")
+            log(f"> PACI: drained the pipeline before saving (this stage dropped {dropped} "
+                "in-flight forwards; their data is replayed)")
     if job.runtime is not None:  # the stages meet here anyway: the per-stage table is free
-        table = _pipeline_table(job)
+        table = pipeline_table(job)
         if job.reporter:
-            _log(f"> PACI drift at iteration {job.iteration}: max per stage "
-                 f"{[row['max'] for row in table]}, skipped steps per stage "
-                 f"{[row['skipped_steps'] for row in table]}")
+            log(f"> PACI drift at iteration {job.iteration}: max per stage "
+                f"{[row['max'] for row in table]}, skipped steps per stage "
+                f"{[row['skipped_steps'] for row in table]}")
     path = checkpoint.save_checkpoint(
         job.args.save, job.iteration, job.model, job.optimizer, job.lr_scheduler,
         extra={"consumed_samples": job.consumed, "schedule": job.args.pipeline_schedule,
@@ -408,7 +345,7 @@ def save(job: Job) -> None:
     if job.save_clock is not None:
         job.save_clock.saved(time.perf_counter())
     if job.reporter:
-        _log(f"> saved checkpoint at iteration {job.iteration} to {path}")
+        log(f"> saved checkpoint at iteration {job.iteration} to {path}")
 
 
 def _save_is_due(job: Job) -> bool:
@@ -425,86 +362,31 @@ def _save_is_due(job: Job) -> bool:
         by_time, next_check = mcore_runtime.take_rank0s(clock.propose(job.iteration, now))
         clock.agree(job.iteration, next_check, now)
         if by_time and not due and job.reporter:
-            _log(f"> saving at iteration {job.iteration}: --save-interval-minutes "
-                 f"{args.save_interval_minutes:g} passed since the last save")
+            log(f"> saving at iteration {job.iteration}: --save-interval-minutes "
+                f"{args.save_interval_minutes:g} passed since the last save")
         due = due or by_time
     return due
 
 
-def _log_iteration(job: Job, step: Dict, elapsed_ms: float) -> None:
-    args = job.args
-    if not job.reporter:
-        return
-    stats = _stage_stats(job)  # None for the stages this rank cannot see without a collective
-    drift = [row and row["max"] for row in stats] if stats else None
-    skipped = ([row and row["skipped_steps"] for row in stats] if stats
-               else [0] * job.info["pp_size"])
-    tokens_per_s = step["samples"] * args.seq_length / (elapsed_ms / 1000.0)
-    lr = job.optimizer.param_groups[0]["lr"]
-    gn = "n/a" if step["grad_norm"] is None else f"{step['grad_norm']:.3f}"
-    drift_text = f" | PACI drift max (this stage) {drift[-1]}" if drift is not None else ""
-    if skipped[-1]:
-        drift_text += f" | skipped (non-finite) steps (this stage) {skipped[-1]}"
-    factor = _factor_in_force(job)
-    adaptive = job.runtime.policy.adaptive if job.opts.auto else None
-    if adaptive is not None:
-        drift_text += f" | PACI a {factor}"
-    eta_s = int(elapsed_ms / 1000.0 * (args.train_iters - job.iteration))
-    drift_text += f" | ETA {eta_s // 3600:d}:{eta_s // 60 % 60:02d}:{eta_s % 60:02d}"
-    _log(f" iteration {job.iteration:8d}/{args.train_iters:8d} | consumed samples "
-         f"{job.consumed:10d} | elapsed time per iteration (ms): {elapsed_ms:.1f} | "
-         f"tokens/s: {tokens_per_s:.0f} | learning rate: {lr:.4e} | lm loss: "
-         f"{step['loss']:.6e} | grad norm: {gn}{drift_text}")
-    _write_metrics(job, {"iteration": job.iteration, "consumed_samples": job.consumed,
-                         "wall_s": time.perf_counter() - job.started,
-                         "lm_loss": step["loss"], "lr": lr, "elapsed_ms": elapsed_ms,
-                         "tokens_per_sec": tokens_per_s, "grad_norm": step["grad_norm"],
-                         "max_drift": drift if drift is not None else [0] * job.info["pp_size"],
-                         "skipped_steps": skipped, **({} if factor is None else
-                                                      {"accumulation_factor": factor}),
-                         **({} if adaptive is None else
-                            {"paci_staleness": adaptive.last_signal})})
-
-
-def _factor_in_force(job: Job) -> Optional[int]:
-    """The accumulation factor of the iteration just run (PACI; all stages use the same)."""
-    plan = job.runtime.plan if job.runtime is not None else None
-    return plan.accumulation if plan is not None else None
-
-
 def train(args, opts: PaciConfig) -> Dict:
     job = setup(args, opts)
-    info = job.info
-    _log(f"[paci] rank {info['rank']} = pipeline stage {info['pp_rank']}, "
-         f"tensor rank {info['tp_rank']}, data rank {info['dp_rank']}")
-    if job.reporter:
-        fb = job.forward_backward
-        _log(f"> forward-backward function: {getattr(fb, '__module__', '')}."
-             f"{getattr(fb, '__qualname__', repr(fb))}")
-        _log(f"> schedule {args.pipeline_schedule}: P={job.info['pp_size']} "
-             f"TP={job.info['tp_size']} DP={job.info['dp_size']} micro-batches/iteration="
-             f"{args.num_microbatches} a="
-             + (f"auto (from {opts.accumulation}, every {opts.adapt_interval} iterations, "
-                f"policy {opts.adapt_policy})" if opts.auto else f"{opts.accumulation}")
-             + (f", stock 1F1B for the first {opts.sync_iters} iterations (--paci-sync-iters)"
-                if opts.sync_iters else "")
-             + (f", {job.runtime.describe()}" if job.runtime and job.runtime.describe() else ""))
+    log_start(job)
     t_last = time.perf_counter()
     since_log = 0
     while job.iteration < args.train_iters:
         if args.exit_interval and job.iteration % args.exit_interval == 0 and job.history:
             if job.reporter:
-                _log(f"> exiting at iteration {job.iteration} (--exit-interval)")
+                log(f"> exiting at iteration {job.iteration} (--exit-interval)")
             break
         step = train_step(job)
         job.history.append(step["loss"])
         since_log += 1
         if job.iteration % args.log_interval == 0:
             now = time.perf_counter()
-            _log_iteration(job, step, (now - t_last) * 1000.0 / since_log)
+            log_iteration(job, step, (now - t_last) * 1000.0 / since_log)
             t_last, since_log = now, 0
         if args.eval_interval and job.iteration % args.eval_interval == 0:
-            _write_metrics(job, {"iteration": job.iteration, "validation_loss": evaluate(job)})
+            write_metrics(job, {"iteration": job.iteration, "validation_loss": evaluate(job)})
             t_last = time.perf_counter()
         if _save_is_due(job):
             save(job)
@@ -513,37 +395,16 @@ def train(args, opts: PaciConfig) -> Dict:
     return summary
 
 
-def _memory_record(job: Job) -> Dict:
-    """This stage's peaks: every tensor (the CUDA allocator's peak, or on CPU the live-tensor
-    meter of --measure-memory), the bytes saved for backward (--measure-activation-memory), and
-    the process's resident memory."""
-    activation = job.meter.peak / 2**20 if job.meter is not None else None
-    whole = build.peak_device_memory_mb()
-    if job.live_meter is not None:
-        job.live_meter.stop()
-        whole = job.live_meter.peak / 2**20
-    return {"stage": job.info["pp_rank"], "peak_memory_mb": whole,
-            "peak_activation_mb": activation, "peak_rss_mb": build.peak_rss_mb()}
-
-
 def finish(job: Job) -> Dict:
     args = job.args
     summary: Dict[str, Any] = {"schedule": args.pipeline_schedule, "losses": job.history,
                                "iteration": job.iteration}
     if job.runtime is not None:
         dropped = job.runtime.drain()
-        drift = _pipeline_table(job)
+        drift = pipeline_table(job)
         summary["drift"] = drift
         if job.reporter:
-            _log(f"> PACI: drained the pipeline at the end (this stage dropped {dropped} "
-                 "in-flight forwards)")
-            for row in drift:
-                _log(f"> stage {row['stage']}: max drift {row['max']} (bound {row['bound']}), "
-                     f"histogram {row['histogram']}, local steps {row['steps']}")
-                if row.get("tied"):
-                    tied = row["tied"]
-                    _log(f"> stage {row['stage']}: tied embedding staleness max {tied['max']} "
-                         f"(bound {tied['bound']}), histogram {tied['histogram']}")
+            log_final_drift(dropped, drift)
     if job.last_eval is None or job.last_eval[0] != job.iteration:
         evaluate(job)
     validation = job.last_eval[1]
@@ -557,23 +418,13 @@ def finish(job: Job) -> Dict:
             tied_sha256(job.model[0], job.optimizer))
     if args.save:
         save(job)
-    memory = mcore_runtime.gather_across_pipeline(_memory_record(job))
+    memory = mcore_runtime.gather_across_pipeline(memory_record(job))
     summary["memory"] = memory
-    tied = [r.get("tied") for r in summary.get("drift", [])]
-    _write_metrics(job, {**({"tied_max_staleness": [t and t["max"] for t in tied]}
-                            if any(tied) else {}),
-                         "final": True, "iteration": job.iteration,
-                         "consumed_samples": job.consumed, "validation_loss": validation,
-                         "wall_s": time.perf_counter() - job.started,
-                         "max_drift": [r["max"] for r in summary.get("drift", [])],
-                         "peak_memory_mb": [m["peak_memory_mb"] for m in memory],
-                         "skipped_steps": [r["skipped_steps"] for r in summary.get("drift", [])],
-                         "peak_rss_mb": [m["peak_rss_mb"] for m in memory],
-                         "peak_activation_mb": [m["peak_activation_mb"] for m in memory]})
+    write_metrics(job, final_record(job, summary, validation))
     if job.uninstall is not None:
         job.uninstall()
     if job.reporter:
-        _log("PACI_SUMMARY " + json.dumps(summary))
+        log("PACI_SUMMARY " + json.dumps(summary))
     if job.metrics is not None:
         job.metrics.close()
     if job.tensorboard is not None:

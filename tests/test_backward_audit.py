@@ -4,7 +4,7 @@ from one that read a copy derived from them at forward time."""
 import torch
 
 from paci_megatron.autograd_versions import keep_version_counters
-from paci_megatron.backward_audit import BackwardAudit
+from paci_megatron.tools.backward_audit import BackwardAudit
 
 
 class ZeroCenteredLayerNorm(torch.nn.Module):

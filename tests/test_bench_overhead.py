@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from launch import REPO, kill_tree
-from paci_megatron.bench_overhead import ARMS, CLOCKS, parse_args
+from paci_megatron.tools.bench_overhead import ARMS, CLOCKS, parse_args
 
 TIMEOUT_S = 240
 
@@ -18,7 +18,7 @@ TIMEOUT_S = 240
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     path = tmp_path_factory.mktemp("overhead") / "report.json"
-    cmd = [sys.executable, "-m", "paci_megatron.bench_overhead", "--quick", "--json", str(path)]
+    cmd = [sys.executable, "-m", "paci_megatron.tools.bench_overhead", "--quick", "--json", str(path)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True,
                             env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"))

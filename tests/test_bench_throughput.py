@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from launch import REPO, kill_tree
-from paci_megatron.bench_throughput import (Bench, chrome_trace, parse_args, simulate_stream,
+from paci_megatron.tools.bench_throughput import (Bench, chrome_trace, parse_args, simulate_stream,
                                             summarize)
 from paci_megatron.schedule import Action, Op, build_flush, build_paci
 

@@ -21,7 +21,7 @@ NAME = f"paci-a4-sync{K}"
 
 def _compare(out, *extra, iters=ITERS):
     return subprocess.run(
-        [sys.executable, "-m", "paci_megatron.compare", "--schedules", "1f1b",
+        [sys.executable, "-m", "paci_megatron.tools.compare", "--schedules", "1f1b",
          "--run", f"{NAME}=--pipeline-schedule paci --paci-accumulation-factor 4 "
          f"--paci-sync-iters {K}",
          "--seeds", ",".join(map(str, SEEDS)), "--timeout", "400", "--out", str(out), *extra,
@@ -152,7 +152,7 @@ def test_reuse_reads_finished_runs_back_and_reruns_changed_ones(compared, tmp_pa
     # same runs, same report (wall-clock figures included: they are read back)
     assert (out / "report.md").read_text() == before
     # a run whose flags or process count changed is not reused
-    from paci_megatron.compare import _finished_with
+    from paci_megatron.tools.compare import _finished_with
     stem = out / f"1f1b.seed{SEEDS[0]}"
     flags = json.loads((out / f"{stem.name}.flags.json").read_text())["flags"]
     metrics, record = f"{stem}.jsonl", f"{stem}.flags.json"

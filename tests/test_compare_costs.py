@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from launch import REPO
-from paci_megatron import tta
-from paci_megatron.compare import CompareError, build_parser, _cost_flags, timing_flags
+from paci_megatron.tools import tta
+from paci_megatron.tools.compare import CompareError, build_parser, _cost_flags, timing_flags
 from paci_megatron.simulate import Costs
 
 pytestmark = pytest.mark.dist
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.dist
 def measured(tmp_path_factory):
     out = tmp_path_factory.mktemp("compare_costs") / "report"
     proc = subprocess.run(
-        [sys.executable, "-m", "paci_megatron.compare", "--schedules", "paci",
+        [sys.executable, "-m", "paci_megatron.tools.compare", "--schedules", "paci",
          "--project-costs", "measured", "--timeout", "400", "--out", str(out), "--",
          "--untie-embeddings-and-output-weights", "--num-layers", "4", "--hidden-size", "32",
          "--seq-length", "16", "--train-iters", "2", "--paci-stale-grad-weight", "0.5"],

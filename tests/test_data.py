@@ -20,7 +20,7 @@ from messages import error_line, names_flag
 
 pytest.importorskip("sentencepiece")
 
-from paci_megatron import preprocess_data  # noqa: E402  (no Megatron import at module level)
+from paci_megatron.tools import preprocess_data  # noqa: E402  (no Megatron import at module level)
 
 SHAKESPEARE = os.path.join(REPO, "..", "shared", "data", "tinyshakespeare.txt")
 
@@ -152,7 +152,7 @@ def test_cli_prints_training_flags(small_dataset, tmp_path):
     path.write_text("".join(json.dumps({"text": p}) + "\n"
                             for p in small_dataset["paragraphs"][:20]))
     proc = subprocess.run(
-        [sys.executable, "-m", "paci_megatron.preprocess_data", "--input", str(path),
+        [sys.executable, "-m", "paci_megatron.tools.preprocess_data", "--input", str(path),
          "--output-prefix", str(tmp_path / "cli"), "--tokenizer-model", small_dataset["model"],
          "--vocab-size", "400", "--workers", "1"],
         cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -211,7 +211,7 @@ def test_cli_errors(case, small_dataset, tmp_path, capsys):
 
 def test_cli_error_exit_code_without_traceback(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "paci_megatron.preprocess_data", "--input",
+        [sys.executable, "-m", "paci_megatron.tools.preprocess_data", "--input",
          str(tmp_path / "missing.txt"), "--output-prefix", str(tmp_path / "x"),
          "--tokenizer-model", str(tmp_path / "m.model")],
         cwd=REPO, capture_output=True, text=True, timeout=60)

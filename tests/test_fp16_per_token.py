@@ -133,6 +133,7 @@ def test_entry_point_takes_the_fp16_and_per_token_flags():
     torch = pytest.importorskip("torch")
     from paci_megatron import training
     from paci_megatron.arguments import parse_and_validate
+    from paci_megatron.job_log import mean_loss
 
     args, _ = parse_and_validate(
         ["--untie-embeddings-and-output-weights", "--fp16", "--initial-loss-scale", "4096",
@@ -144,8 +145,8 @@ def test_entry_point_takes_the_fp16_and_per_token_flags():
     assert spec.fp16 and spec.calculate_per_token_loss and not spec.bf16
     # per-token logging: [loss sum, tokens] per micro-batch, averaged over all tokens
     logged = [{"lm loss": torch.tensor([6.0, 2.0])}, {"lm loss": torch.tensor([3.0, 4.0])}]
-    assert training._mean_loss(logged) == 1.5
-    assert training._mean_loss([{"lm loss": torch.tensor(2.0)}, {"lm loss": 4.0}]) == 3.0
+    assert mean_loss(logged) == 1.5
+    assert mean_loss([{"lm loss": torch.tensor(2.0)}, {"lm loss": 4.0}]) == 3.0
 
 
 @pytest.mark.slow

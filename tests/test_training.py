@@ -34,7 +34,7 @@ def shakespeare(tmp_path_factory):
         pytest.skip(f"{SHAKESPEARE} is absent (the shared corpus is not on this machine)")
     out = tmp_path_factory.mktemp("shakespeare")
     proc = subprocess.run(
-        [sys.executable, "-m", "paci_megatron.preprocess_data", "--input", SHAKESPEARE,
+        [sys.executable, "-m", "paci_megatron.tools.preprocess_data", "--input", SHAKESPEARE,
          "--output-prefix", str(out / "shakespeare"), "--tokenizer-model",
          str(out / "spm.model"), "--vocab-size", "512"],
         capture_output=True, text=True, timeout=300, cwd=REPO)

@@ -3,7 +3,7 @@ the compare report built from synthetic metrics records (no training launched)."
 
 import pytest
 
-from paci_megatron import compare, tta
+from paci_megatron.tools import compare, tta
 from paci_megatron.simulate import Costs
 
 COSTS = Costs(1.0, 2.0, 0.0)  # tf : tb = 1 : 2, free steps

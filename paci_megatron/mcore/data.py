@@ -7,7 +7,7 @@ and a Megatron-style micro-batch iterator.
   and ``NullTokenizer`` (Megatron-LM's meaning: ``--vocab-size N`` gives ids ``0..N-1`` and the
   EOD id ``N``, so ``vocab_size == N + 1``).
 * :func:`check_indexed_dataset` validates a ``PREFIX.bin`` / ``PREFIX.idx`` pair written by
-  ``python -m paci_megatron.preprocess_data`` (or Megatron-LM's ``tools/preprocess_data.py``)
+  ``python -m paci_megatron.tools.preprocess_data`` (or Megatron-LM's ``tools/preprocess_data.py``)
   by reading the index header and arrays only; errors name ``--data-path``.
 * :func:`build_gpt_datasets` builds the train/valid/test ``GPTDataset`` (or ``MockGPTDataset``)
   with ``BlendedMegatronDatasetBuilder``. It is collective when torch.distributed is
@@ -36,7 +36,7 @@ __all__ = [
     "SentencePieceTokenizer",
     "NullTokenizer",
     "build_tokenizer",
-    "index_dtype_for_vocab",
+    "indexed_dataset_builder",
     "check_indexed_dataset",
     "build_gpt_datasets",
     "GPTBatches",
@@ -69,7 +69,7 @@ class SentencePieceTokenizer:
             raise ValueError(
                 f"--tokenizer-model {model_path}: the SentencePiece model has no end-of-sentence "
                 f"piece (eos_id is -1), so there is no end-of-document token; train it with "
-                f"eos_id >= 0 (python -m paci_megatron.preprocess_data does)"
+                f"eos_id >= 0 (python -m paci_megatron.tools.preprocess_data does)"
             )
 
     @property
@@ -205,9 +205,12 @@ def build_tokenizer(
     )
 
 
-def index_dtype_for_vocab(vocab_size: int):
-    """The token dtype Megatron uses for an indexed dataset of this vocabulary size."""
-    return DType.optimal_dtype(vocab_size)
+def indexed_dataset_builder(bin_path: str, vocab_size: int):
+    """Megatron's indexed-dataset writer, and the token dtype it uses for this vocabulary."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    dtype = DType.optimal_dtype(vocab_size)
+    return IndexedDatasetBuilder(bin_path, dtype=dtype), dtype
 
 
 # --------------------------------------------------------------------------------------------
@@ -228,7 +231,7 @@ def _missing_hint(prefix: str) -> str:
             return f" (give the prefix without {suffix!r}: --data-path {prefix[:-4]})"
     if os.path.isfile(prefix + "_text_document.idx"):
         return f" (did you mean --data-path {prefix}_text_document?)"
-    return (" (write the pair with python -m paci_megatron.preprocess_data --output-prefix P, "
+    return (" (write the pair with python -m paci_megatron.tools.preprocess_data --output-prefix P, "
             "then pass --data-path P_text_document)")
 
 

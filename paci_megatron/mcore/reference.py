@@ -29,7 +29,7 @@ from megatron.core.utils import get_model_config, get_model_type
 
 from ..autograd_versions import keep_version_counters
 from ..emulate import run_global
-from ..schedule import Action, Op, StreamPlan, plan_stream
+from ..schedule import Action, StreamPlan, plan_stream
 from ..shape import StreamShape, closes_group, tied_lag
 from . import build
 from .checkpoint import weights_sha256
@@ -460,28 +460,3 @@ class PipelineEmulator:
 
     def stage_model(self, s: int):
         return self.stages[s].parts.model
-
-
-def audit_backward(emulator: PipelineEmulator, stage: int):
-    """Attach a ``BackwardAudit`` to one stage of ``emulator``; returns the list its verdicts
-    are appended to after every backward of that stage. Not for ``--recompute-granularity``
-    runs (their forward is re-run inside the backward)."""
-    from ..backward_audit import BackwardAudit
-
-    audit = BackwardAudit(emulator.stage_model(stage))
-    verdicts: list = []
-
-    def hook(s: int, act: Action, when: str) -> None:
-        if s != stage or act.op not in (Op.FORWARD, Op.BACKWARD):
-            return
-        if when == "after":
-            audit.idle()
-            if act.op is Op.BACKWARD:
-                verdicts.extend(audit.verify(act.mb))
-        elif act.op is Op.FORWARD:
-            audit.forward_phase(act.mb)
-        else:
-            audit.backward_phase(act.mb)
-
-    emulator.hooks.append(hook)
-    return verdicts

@@ -7,7 +7,7 @@ stage executed (its spans) as JSON: the test checks the actions, not the time.
 import json
 import sys
 
-from paci_megatron.bench_throughput import Bench, measure
+from paci_megatron.tools.bench_throughput import Bench, measure
 
 
 def main(argv) -> int:

@@ -1,6 +1,6 @@
 """Runtime overhead of PACI vs stock Megatron at P=1 (the same arithmetic), per iteration.
 
-``python -m paci_megatron.bench_overhead [--quick] [--json PATH]``
+``python -m paci_megatron.tools.bench_overhead [--quick] [--json PATH]``
 
 One process, a gloo (NCCL on CUDA) group of one. The same GPT model, optimizer, LR schedule
 and batches are built twice: arm ``stock`` runs Megatron-Core's no-pipelining
@@ -32,12 +32,12 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .mcore import build
-from .mcore.runtime import PaciRuntime, get_forward_backward_func
+from ..mcore import build
+from ..mcore.runtime import PaciRuntime, get_forward_backward_func
 
 ARMS = ("stock", "paci")
 CLOCKS = ("wall", "cpu")
@@ -310,13 +310,13 @@ def init_single_process() -> None:
                           MASTER_PORT=str(_free_port()))
     if int(os.environ["WORLD_SIZE"]) != 1:
         raise SystemExit("bench_overhead: error: runs in one process (P=1); launch it with "
-                         "python -m paci_megatron.bench_overhead or torchrun --nproc-per-node 1")
+                         "python -m paci_megatron.tools.bench_overhead or torchrun --nproc-per-node 1")
     build.init_distributed(pp=1, timeout_s=300)
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m paci_megatron.bench_overhead",
+        prog="python -m paci_megatron.tools.bench_overhead",
         description="P=1 runtime overhead of PACI vs stock Megatron (same arithmetic)")
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--hidden-size", type=int, default=64)

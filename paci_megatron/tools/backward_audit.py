@@ -25,6 +25,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch.func import functional_call
 
+from ..schedule import Action, Op
+
 
 @dataclass
 class _Record:
@@ -167,3 +169,26 @@ def _max_abs_error(actual, expected) -> float:
     errors = [float((a.float() - e.float()).abs().max()) for a, e in zip(actual, expected)
               if a is not None and e is not None]
     return max(errors, default=float("inf"))
+
+
+def audit_backward(emulator, stage: int):
+    """Attach a ``BackwardAudit`` to one stage of ``emulator``; returns the list its verdicts
+    are appended to after every backward of that stage. Not for ``--recompute-granularity``
+    runs (their forward is re-run inside the backward)."""
+    audit = BackwardAudit(emulator.stage_model(stage))
+    verdicts: list = []
+
+    def hook(s: int, act: Action, when: str) -> None:
+        if s != stage or act.op not in (Op.FORWARD, Op.BACKWARD):
+            return
+        if when == "after":
+            audit.idle()
+            if act.op is Op.BACKWARD:
+                verdicts.extend(audit.verify(act.mb))
+        elif act.op is Op.FORWARD:
+            audit.forward_phase(act.mb)
+        else:
+            audit.backward_phase(act.mb)
+
+    emulator.hooks.append(hook)
+    return verdicts

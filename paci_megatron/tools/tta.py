@@ -12,8 +12,9 @@ import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from .schedule import Schedule, plan_stream
-from .simulate import Costs, run_lockstep
+from ..schedule import Schedule, plan_stream
+from ..shape import local_steps
+from ..simulate import Costs, run_lockstep
 
 # A curve point: (x values, loss). The x values (samples, updates, seconds, ...) all grow with
 # training, so one fraction between two points interpolates every one of them.
@@ -64,8 +65,7 @@ class RunShape:
         """Optimizer steps per stage after ``iterations`` iterations."""
         if self.schedule != "paci":
             return iterations
-        sync = min(iterations, self.sync_iters)
-        return sync + (iterations - sync) * self.microbatches / self.accumulation
+        return local_steps(iterations, self.microbatches, self.accumulation, self.sync_iters)
 
 
 def seconds_per_call(kind: str, num_stages: int, accumulation: int, per_call: int,

@@ -1,6 +1,6 @@
 """Run one training config under several schedules and write a side-by-side report.
 
-    python -m paci_megatron.compare --schedules 1f1b,paci --out DIR [--nproc-per-node 2] \\
+    python -m paci_megatron.tools.compare --schedules 1f1b,paci --out DIR [--nproc-per-node 2] \\
         [--run NAME="FLAGS"]... [--seeds 1234,1235] -- <pretrain_gpt_paci.py flags>
 
 Built-in runs (``--schedules``; default, without ``--run``: all of them): 1f1b, interleaved
@@ -40,13 +40,14 @@ import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ..simulate import Costs
 from . import tta
-from .simulate import Costs
+from .compare_report import (X_PROJECTED, X_SAMPLES, gap_table, plot, print_speedups,
+                             report_table, tta_table)
 
-ENTRY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                     "pretrain_gpt_paci.py")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ENTRY = os.path.join(REPO, "pretrain_gpt_paci.py")
 BUILT_IN = ("1f1b", "interleaved", "paci", "paci-a1")
-X_SAMPLES, X_UPDATES, X_WALL, X_PROJECTED = range(4)  # x values of a curve point
 
 
 class CompareError(ValueError):
@@ -116,7 +117,7 @@ def _flag(flags: Sequence[str], name: str, default: Optional[str] = None) -> Opt
 def run_shape(name: str, flags: Sequence[str], nproc: int) -> tta.RunShape:
     """Validate a run's flags as pretrain_gpt_paci.py would (before anything is launched) and
     return what the simulator needs of it."""
-    from .arguments import ConfigError, build_parser, validate
+    from ..arguments import ConfigError, build_parser, validate
 
     parser = build_parser()
     try:
@@ -172,7 +173,7 @@ def measure_costs(train_flags: Sequence[str], shape: tta.RunShape, out: str,
     layers = int(_flag(train_flags, "--num-layers", "4"))
     tp = int(_flag(train_flags, "--tensor-model-parallel-size", "1"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={tp}", "-m", "paci_megatron.mcore.costs",
+           f"--nproc-per-node={tp}", "-m", "paci_megatron.tools.costs",
            *timing_flags(train_flags, layers // shape.num_stages)]
     path = os.path.join(out, "costs.log")
     with open(path, "w") as log:
@@ -297,127 +298,6 @@ def time_to_accuracy(runs: Dict[str, List[Dict]], base_name: str,
 
 # --- formatting --------------------------------------------------------------------------
 
-def _fmt(value, digits=3) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, list):
-        return "/".join(_fmt(v, 1) for v in value)
-    if isinstance(value, float):
-        return f"{value:.{digits}f}" if math.isfinite(value) else str(value)
-    return str(value)
-
-
-def _stat(values: Sequence[Optional[float]], digits: int = 3, total: Optional[int] = None) -> str:
-    """'mean ± sd' over the seeds that have a value; says how many when some have none."""
-    have = [v for v in values if v is not None]
-    total = len(values) if total is None else total
-    if not have:
-        return "not reached" if total else "-"
-    mean, sd = tta.mean_and_spread(have)
-    text = f"{mean:.{digits}f}" + (f" ± {sd:.{digits}f}" if len(have) > 1 else "")
-    if len(have) < total:
-        text += f" ({len(have)}/{total} seeds)"
-    return text
-
-
-def _per_stage_mean(seeds: List[Dict], key: str) -> Optional[List[Optional[float]]]:
-    lists = [r[key] for r in seeds if r[key] is not None]
-    if not lists:
-        return None
-    return [None if None in col else sum(col) / len(col) for col in zip(*lists)]
-
-
-def _per_stage_max(seeds: List[Dict], key: str):
-    lists = [r[key] for r in seeds if r[key] is not None]
-    return [max(col) for col in zip(*lists)] if lists else None
-
-
-def report_table(runs: Dict[str, List[Dict]], base_name: str) -> str:
-    base = runs[base_name]
-    head = ("| run | seeds | final val loss | best val loss | tokens/s | tokens/s vs "
-            f"{base_name} | projected s/iteration | projected throughput vs {base_name} | "
-            "peak RSS MB per stage | peak activation MB per stage | max drift per stage |")
-    rows = [head, "|" + "---|" * 11]
-    base_proj = base[0]["projected_s_per_iteration"]
-    for name, seeds in runs.items():
-        ratios = [r["tokens_per_sec"] / b["tokens_per_sec"] for r, b in zip(seeds, base)]
-        proj = seeds[0]["projected_s_per_iteration"]
-        rows.append(
-            f"| {name} | {len(seeds)} | {_stat([r['final_val'] for r in seeds], 4)} | "
-            f"{_stat([r['best_val'] for r in seeds], 4)} | "
-            f"{_stat([r['tokens_per_sec'] for r in seeds], 0)} | {_stat(ratios)} | "
-            f"{proj:.4g} | {base_proj / proj:.3f} | "
-            f"{_fmt(_per_stage_mean(seeds, 'peak_rss_mb'))} | "
-            f"{_fmt(_per_stage_mean(seeds, 'peak_activation_mb'))} | "
-            f"{_fmt(_per_stage_max(seeds, 'max_drift'))} |")
-    return "\n".join(rows)
-
-
-def tta_table(rows: List[Dict], base_name: str) -> str:
-    head = (f"| run | target | target loss | samples | updates | wall s | projected s | "
-            f"projected TTA speed-up vs {base_name} |")
-    out = [head, "|" + "---|" * 8]
-    for row in rows:
-        n = len(row["hits"])
-        col = [[h and h[i] for h in row["hits"]] for i in range(4)]
-        out.append(
-            f"| {row['run']} | {row['target']} | {_stat(row['target_values'], 4)} | "
-            f"{_stat(col[X_SAMPLES], 0)} | {_stat(col[X_UPDATES], 1)} | "
-            f"{_stat(col[X_WALL], 1)} | {_stat(col[X_PROJECTED], 4)} | "
-            f"{_stat(row['speedup'], 3, total=n) if any(row['hits']) else 'not reached'} |")
-    return "\n".join(out)
-
-
-GAP_FRACTIONS = (0.25, 0.5, 1.0)
-
-
-def gap_table(runs: Dict[str, List[Dict]], base_name: str) -> str:
-    """Validation-loss gap to the baseline of the same seed at equal samples, at 25%, 50% and
-    100% of the baseline's training (interpolated between evaluations)."""
-    head = ("| run | " + " | ".join(f"gap at {f:.0%} of training" for f in GAP_FRACTIONS)
-            + " |")
-    out = [head, "|" + "---|" * (1 + len(GAP_FRACTIONS))]
-    for name, seeds in runs.items():
-        per_seed = [tta.gaps_at(b["curve"], r["curve"], X_SAMPLES, GAP_FRACTIONS)
-                    for r, b in zip(seeds, runs[base_name])]
-        cols = [[g[i] for g in per_seed] for i in range(len(GAP_FRACTIONS))]
-        out.append(f"| {name} | " + " | ".join(f"{_stat(c, 2)} %" for c in cols) + " |")
-    return "\n".join(out)
-
-
-def plot(runs: Dict[str, List[Dict]], out: str) -> List[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = []
-    axes = (("samples", X_SAMPLES, "consumed samples", "consumed_samples"),
-            ("wall", X_WALL, "wall time (s)", "wall_s"),
-            ("projected", X_PROJECTED, "projected accelerator time (s)", None))
-    for key, index, label, train_key in axes:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for n, (name, seeds) in enumerate(runs.items()):
-            color = f"C{n % 10}"
-            for i, r in enumerate(seeds):
-                if train_key is not None:
-                    ax.plot([t[train_key] for t in r["train"]], [t["lm_loss"] for t in r["train"]],
-                            alpha=0.3, lw=1, color=color)
-                ax.plot([xs[index] for xs, _ in r["curve"]], [v for _, v in r["curve"]],
-                        marker="o", color=color, label=None if i else f"{name} (validation)")
-        ax.set_xlabel(label)
-        ax.set_ylabel("lm loss (thin: training, dots: validation)" if train_key
-                      else "validation lm loss")
-        ax.legend()
-        ax.grid(alpha=0.3)
-        path = os.path.join(out, f"loss_vs_{key}.png")
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
-    return paths
-
-
 # --- command line ------------------------------------------------------------------------
 
 def _non_negative(flag: str):
@@ -434,7 +314,7 @@ def _non_negative(flag: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m paci_megatron.compare",
+    parser = argparse.ArgumentParser(prog="python -m paci_megatron.tools.compare",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--schedules", default=None,
                         help=f"built-in runs, comma-separated, from {', '.join(BUILT_IN)} "
@@ -589,25 +469,6 @@ def compare(args, train_flags: List[str]) -> int:
     print_speedups(runs, rows, base_name)
     print(f"report: {os.path.join(args.out, 'report.md')}")
     return 0
-
-
-def print_speedups(runs: Dict[str, List[Dict]], rows: List[Dict], base_name: str) -> None:
-    base = runs[base_name]
-    for name, seeds in runs.items():
-        if name == base_name:
-            continue
-        throughput = base[0]["projected_s_per_iteration"] / seeds[0]["projected_s_per_iteration"]
-        for row in (r for r in rows if r["run"] == name):
-            print(f"{name}: projected time-to-accuracy speed-up vs {base_name} to "
-                  f"{row['target']} ({_stat(row['target_values'], 4)}): "
-                  f"{_stat(row['speedup'], 3, total=len(row['hits']))} "
-                  f"(projected throughput ratio {throughput:.3f})")
-        if None not in (_per_stage_mean(seeds, "peak_activation_mb") or [None]) \
-                and None not in (_per_stage_mean(base, "peak_activation_mb") or [None]):
-            ratio = [a / b for a, b in zip(_per_stage_mean(seeds, "peak_activation_mb"),
-                                           _per_stage_mean(base, "peak_activation_mb"))]
-            print(f"peak activation memory {name}/{base_name} per stage: "
-                  + " ".join(f"{x:.3f}" for x in ratio))
 
 
 if __name__ == "__main__":

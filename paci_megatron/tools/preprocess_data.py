@@ -1,6 +1,6 @@
 """Turn text into a Megatron-Core indexed dataset (``PREFIX_text_document.bin`` / ``.idx``).
 
-    python -m paci_megatron.preprocess_data --input FILE [FILE ...] --output-prefix PREFIX \\
+    python -m paci_megatron.tools.preprocess_data --input FILE [FILE ...] --output-prefix PREFIX \\
         --tokenizer-model SPM.model [--vocab-size N] [--append-eod] [--workers 1]
 
 Inputs
@@ -282,7 +282,7 @@ def _positive(flag: str, allow_zero: bool = False):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m paci_megatron.preprocess_data",
+        prog="python -m paci_megatron.tools.preprocess_data",
         description="Tokenize text or JSONL files with SentencePiece (training the model if it "
                     "does not exist yet) into a Megatron-Core indexed dataset "
                     "PREFIX_text_document.bin/.idx for --data-path.",
@@ -398,18 +398,15 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     with warnings.catch_warnings():  # megatron.core's notes about Transformer Engine and Apex
         warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
-        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
-        from paci_megatron.mcore.data import index_dtype_for_vocab
+        from ..mcore.data import indexed_dataset_builder
 
     doc_prefix = f"{args.output_prefix}_{args.json_key}_document"
-    dtype = index_dtype_for_vocab(vocab_size)
     tag = f".tmp-{os.getpid()}"
     bin_tmp, idx_tmp = doc_prefix + ".bin" + tag, doc_prefix + ".idx" + tag
     n_docs = n_tokens = 0
     pool = None
     try:
-        builder = IndexedDatasetBuilder(bin_tmp, dtype=dtype)
+        builder, dtype = indexed_dataset_builder(bin_tmp, vocab_size)
         if args.workers > 1:
             import multiprocessing
 
