@@ -60,11 +60,18 @@ if __name__ == "__main__":
 
 def check_plan(plan: StreamPlan, nccl: Optional[NcclModel] = None) -> None:
     """The checks a run's own plan passes before it runs (the runtime calls this at start-up):
-    the schedule the stream is cut from keeps every invariant of ``check_lists`` and runs in
-    lockstep without deadlock; with ``nccl``, its first calls also run under NCCL's pairing
-    rules. Raises ScheduleError saying why not."""
-    calls = len(plan.first) + 2 + -(-plan.num_stages // plan.per_call)
-    simulate(build(plan.kind, plan.num_stages, plan.accumulation, calls * plan.per_call,
+    the schedule the stream is cut from keeps every invariant of ``check_lists``; the plan's
+    own first calls (its warm-up and two steady calls) run in lockstep without deadlock and
+    with every message in order, and with ``nccl`` under NCCL's pairing rules too. Raises
+    ScheduleError saying why not."""
+    calls = len(plan.first) + 2
+    whole = calls + -(-plan.num_stages // plan.per_call)
+    simulate(build(plan.kind, plan.num_stages, plan.accumulation, whole * plan.per_call,
                    plan.tied))
+    lists = tuple(tuple(act for k in range(calls) for act in plan.call(k)[s])
+                  for s in range(plan.num_stages))
+    run_lockstep(Schedule(f"{plan.kind} plan (first {calls} calls)", plan.num_stages,
+                          plan.accumulation, calls * plan.per_call, lists, plan.tied),
+                 open_weights=True)
     if nccl is not None:
-        run_stream_nccl(plan, len(plan.first) + 2, Costs(), nccl)
+        run_stream_nccl(plan, calls, Costs(), nccl)

@@ -206,3 +206,13 @@ def test_weight_change_per_step_is_measured_on_a_fixed_sample():
     with probe.measured((w, b)):
         w[1] += 100.0  # off the sample (every 3rd entry of 1000): unseen
     assert probe.take() == 0.0
+
+
+def test_the_cycle_policy_is_a_hidden_test_hook():
+    """--paci-adapt-policy cycle changes a regardless of the signal: the tests use it, users
+    never see it in --help."""
+    text = build_parser().format_help()
+    assert "--paci-adapt-policy" not in text and "cycle" not in text
+    assert "--paci-accumulation-factor" in text
+    _args, opts = _validate("--paci-accumulation-factor", "auto", "--paci-adapt-policy", "cycle")
+    assert opts.adapt_policy == "cycle"

@@ -185,3 +185,42 @@ def test_fp16_save_and_resume_equals_an_uninterrupted_run(tmp_path):
     assert second["weights_sha256"] == whole["weights_sha256"]
     skipped = [[row["skipped_steps"] for row in run["drift"]] for run in (whole, first, second)]
     assert skipped[0][0] != skipped[0][1]  # the stages' scalers differ by then
+
+
+class _Buffer:
+    """A stage's gradient buffer as GradMeta scales it (Megatron DDP's scale_gradients)."""
+
+    def __init__(self, grad):
+        self.grad = grad
+
+    def scale_gradients(self, factor):
+        self.grad = self.grad * factor
+
+
+@pytest.mark.parametrize("weights", [(1.0, 1.0, 1.0), (0.25, 0.5, 1.0)])
+def test_tied_per_token_halves_are_each_a_mean_over_their_own_tokens(weights):
+    """Stage 0 with tied embeddings, --calculate-per-token-loss and stale weights: its own
+    half of the embedding gradient is divided by its weighted token count, the last stage's
+    output-layer half (no drift there) by the plain count. Checked on GradMeta's arithmetic
+    (what the RG and R actions apply), not against the emulator, which shares the formula.
+    Before the fix the output half came out sum t / sum w t times too large."""
+    torch = pytest.importorskip("torch")
+    from paci_megatron.mcore.grad_meta import GradMeta
+
+    tokens = (3, 5, 8)
+    own = [torch.tensor([1.0, -2.0]), torch.tensor([0.5, 4.0]), torch.tensor([-1.0, 3.0])]
+    output_half = torch.tensor([6.0, -9.0])  # the last stage's raw sum over the same tokens
+    meta = GradMeta(fp16=False, per_token=True)
+    state = types.SimpleNamespace(meta_in={}, tokens={}, output_grads={}, meta_out={})
+    for mb, (t, w) in enumerate(zip(tokens, weights)):
+        state.tokens[mb] = t
+        meta.before_backward(state, mb, 1.0, is_first=True, is_last=True, token_weight=w)
+    buffer = _Buffer(sum(w * g for w, g in zip(weights, own)))  # the weighted group sum
+    buffer.grad = buffer.grad + output_half * meta.tied_half_factor(None)  # RG
+    meta.divide_by_tokens(buffer, None)  # R
+    weighted = sum(w * t for w, t in zip(weights, tokens))
+    expected = sum(w * g for w, g in zip(weights, own)) / weighted + output_half / sum(tokens)
+    assert torch.allclose(buffer.grad, expected, rtol=1e-6, atol=0)  # float32 buffers
+    before_the_fix = (sum(w * g for w, g in zip(weights, own)) + output_half) / weighted
+    assert torch.allclose(before_the_fix, expected) == (weights == (1.0, 1.0, 1.0))
+    assert meta.group_tokens == meta.plain_tokens == 0  # the next group starts from zero

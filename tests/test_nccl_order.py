@@ -32,11 +32,13 @@ def step_then_receive(schedule: Schedule) -> Schedule:
 
 @pytest.mark.parametrize("P,a", GRID)
 def test_shipped_paci_stream_is_accepted_by_every_nccl_model(P, a):
-    # call 0 (warm-up) and two steady calls, each stage waiting for its sends at call ends
+    # the warm-up calls and two steady calls, each stage waiting for its sends at call ends;
+    # with tied embeddings the tied-weight messages too (they cross calls by design)
     for N in sorted({a, 2 * a} if a <= 3 else {a}):
-        plan = plan_stream("paci", P, a, N)
-        for model in MODELS:
-            run_stream_nccl(plan, 3, Costs(1.0, 2.0, 3.0), model)
+        for tied in (False, True):
+            plan = plan_stream("paci", P, a, N, tied)
+            for model in MODELS:
+                run_stream_nccl(plan, len(plan.first) + 2, Costs(1.0, 2.0, 3.0), model)
 
 
 @pytest.mark.parametrize("P", [2, 3, 4, 8])
@@ -92,3 +94,25 @@ def test_update_time_is_ideal_with_a_costly_step(P, step):
     assert old.steady_period(0) == a * 3.0 + P * step
     flush = simulate(build_flush(P, a, a * (2 * P + 4)), costs, NcclModel())
     assert flush.steady_period(0) == (a + P - 1) * 3.0 + step
+
+
+def test_a_plan_the_checks_reject_is_refused_at_start_up_naming_why():
+    """The runtime's admission (mcore/admission.admit_plan) runs the plan it is about to run
+    through the simulator: here a stage whose steady call takes two inputs in the wrong
+    order. The shipped plans pass (test_shipped_paci_stream_is_accepted_by_every_nccl_model)."""
+    import dataclasses
+    import types
+
+    pytest.importorskip("megatron.core")
+    from paci_megatron.mcore.admission import admit_plan
+
+    good = plan_stream("paci", 3, 1, 2)
+    admit_plan(good, types.SimpleNamespace(batch_p2p_comm=True))
+    steady = [list(acts) for acts in good.steady]
+    receives = [i for i, act in enumerate(steady[2]) if act.op is Op.RECV_F]
+    i, j = receives[0], receives[1]
+    steady[2][i], steady[2][j] = steady[2][j], steady[2][i]
+    bad = dataclasses.replace(good, steady=tuple(map(tuple, steady)))
+    with pytest.raises(ValueError, match=r"the paci plan P=3 a=1 N=2 fails its checks: .*"
+                                         r"out of order"):
+        admit_plan(bad, types.SimpleNamespace(batch_p2p_comm=True))

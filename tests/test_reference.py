@@ -15,6 +15,8 @@ import pytest
 
 from launch import run_torchrun
 
+from paci_megatron.schedule import Op, plan_stream
+
 pytestmark = pytest.mark.dist
 
 WORKER = "tests/workers/reference_cases.py"
@@ -26,7 +28,8 @@ PP_ONLY = ["p2_a4", "p2_a2", "p2_bf16", "p2_distopt", "p2_drain_eval",
 PARALLEL = ["p2_dp2", "p2_dp2_distopt", "p2_tp2", "p2_dp2_tied", "p2_dp2_stale",
             "p2_dp2_distopt_correct"]
 # a loss scaler per stage; per-token loss
-PRECISION = ["p2_fp16", "p2_per_token", "p2_per_token_stale", "p2_fp16_correct"]
+PRECISION = ["p2_fp16", "p2_per_token", "p2_per_token_stale", "p2_fp16_correct",
+             "p2_tied_per_token_stale"]
 RUNTIME_P2 = [c for c in PP_ONLY if c.startswith("p2")] + PRECISION
 RUNTIME_P4 = [c for c in PP_ONLY if c.startswith("p4")] + PARALLEL
 
@@ -156,18 +159,39 @@ def test_backward_uses_the_current_weights(case, results):
     assert changed_total > 0
 
 
+def first_mixed_step(cfg, stage, calls=2):
+    """The index of the first local step of ``stage`` whose group mixes drifts (weights
+    W ** drift that differ; a group of equal drifts is renormalised back to itself), counted
+    on the action lists of the case's first ``calls`` calls; None: no such group."""
+    plan = plan_stream("paci", cfg["pp"], cfg["a"], cfg["n"])
+    version, forward_at, drifts = 0, {}, set()
+    for act in (act for k in range(calls) for act in plan.call(k)[stage]):
+        if act.op is Op.FORWARD:
+            forward_at[act.mb] = version
+        elif act.op is Op.BACKWARD:
+            drifts.add(version - forward_at.pop(act.mb))
+        elif act.op is Op.STEP:
+            if len(drifts) > 1:
+                return version
+            version, drifts = version + 1, set()
+    return None
+
+
 @pytest.mark.parametrize("case,twin", [("p4_tied_stale", "p4_tied"),
                                        ("p2_per_token_stale", "p2_per_token")])
 def test_stale_gradient_weights_change_only_the_stages_with_drift(case, twin, results):
-    """The twin is the same run unweighted: the first stage's weights differ from its first
-    drifting group on, the last stage's (no drift) only through what its inputs became."""
+    """The twin is the same run unweighted. Stage 0 (whose inputs are the data) steps as its
+    twin until its first group that mixes drifts, and differently from there. The last stage
+    has no drift: it departs only through what its inputs became, so its first step is the
+    twin's."""
     weighted, plain = results(case, "runtime"), results(twin, "runtime")
     cfg = weighted["pp0tp0dp0"]["config"]
-    assert weighted["pp0tp0dp0"]["histogram"] != {"0": len(weighted["pp0tp0dp0"]["steps"])}
-    first = [s["weights"] for s in weighted["pp0tp0dp0"]["steps"]]
-    assert first != [s["weights"] for s in plain["pp0tp0dp0"]["steps"]]
+    k = first_mixed_step(cfg, 0)
+    first, first_twin = weighted["pp0tp0dp0"]["steps"], plain["pp0tp0dp0"]["steps"]
+    assert k is not None and first[:k] == first_twin[:k]
+    assert all(w["weights"] != t["weights"] for w, t in zip(first[k:], first_twin[k:]))
     last = f"pp{cfg['pp'] - 1}tp0dp0"
-    # the first step of the last stage sees the same inputs as unweighted (nothing stale yet)
+    assert first_mixed_step(cfg, cfg["pp"] - 1) is None
     assert weighted[last]["steps"][0] == plain[last]["steps"][0]
 
 

@@ -205,3 +205,38 @@ def test_segments_split_whole_schedule():
         assert list(segs[0][s]) + list(segs[1][s]) == list(sched.stages[s])
         assert [_count(seg[s], Op.BACKWARD) for seg in segs] == [4, 4]
     assert segs[1][0][-1] == Action(Op.STEP, 7)  # the last segment runs to the end
+
+
+@pytest.mark.parametrize("P,a", GRID)
+def test_tied_lists_keep_every_invariant_and_carry_each_message_once(P, a):
+    """With tied embeddings every group of the last stage sends one output-layer gradient that
+    stage 0 takes before its R, stage 0 sends one weight per step, and the last stage installs
+    each of them, L = ceil(P/a) steps late (the rest at the end, as a drain does)."""
+    for M in micro_batch_counts(P, a):
+        sched = build_paci(P, a, M, tied=True)
+        simulate(sched, Costs(1.0, 2.0))  # invariants; every message received, in order
+        if P == 1:
+            assert not sched.tied
+            continue
+        steps = M // a
+        first, last = sched.stages[0], sched.stages[-1]
+        assert _count(last, Op.SEND_TIED_GRAD) == _count(first, Op.RECV_TIED_GRAD) == steps
+        assert _count(first, Op.SEND_TIED_WEIGHT) == _count(last, Op.RECV_TIED_WEIGHT) == steps
+        assert all(not any(x.op in (Op.SEND_TIED_GRAD, Op.RECV_TIED_GRAD, Op.SEND_TIED_WEIGHT,
+                                    Op.RECV_TIED_WEIGHT) for x in acts) for acts in sched.stages[1:-1])
+        lag = -(-P // a)
+        installs = [(i, x.mb) for i, x in enumerate(last) if x.op is Op.RECV_TIED_WEIGHT]
+        for i, mb in installs[:max(0, steps - lag)]:
+            assert last[i - 1] == Action(Op.STEP, mb + lag * a)  # right after its own step
+
+
+def test_misplaced_tied_actions_are_rejected():
+    rows = ["F0 SF0 RB0 B0 RG0 R0 T0 SW0", "RF0 F0 B0 SG0 SB0 R0 T0 RW0"]
+    simulate(Schedule.parse("tied", 1, rows))
+    with pytest.raises(ScheduleError, match="RG0 out of place"):  # after the reduction
+        simulate(Schedule.parse("late", 1, [rows[0].replace("RG0 R0", "R0 RG0"), rows[1]]))
+    with pytest.raises(ScheduleError, match="never received"):  # a gradient nobody takes
+        simulate(Schedule.parse("lost", 1, [rows[0].replace("RG0 ", ""), rows[1]]))
+    untied = Schedule("untied", 2, 1, 1, Schedule.parse("x", 1, rows).stages, tied=False)
+    with pytest.raises(ScheduleError, match="RG0 in a list without a tied weight"):
+        simulate(untied)

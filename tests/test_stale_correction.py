@@ -185,3 +185,25 @@ def test_the_flag_reaches_the_runtime_and_other_schedules_never_correct():
     assert strength("--paci-stale-grad-correction", "0") == 0.0  # the paper's plain PACI
     assert strength("--paci-stale-grad-correction", "6") == 6.0
     assert strength("--pipeline-schedule", "1f1b") == 0.0
+
+
+def test_an_optimizer_without_a_first_moment_is_refused():
+    """The correction reads the optimizer's first moment; SGD without momentum keeps none, so
+    the flag would do nothing: refused before any process group by the drop-in's validator
+    (Megatron-LM's --optimizer sgd --sgd-momentum 0), and by the runtime once the optimizer
+    exists (any entry point, any optimizer)."""
+    from launch import megatron_lm_args
+    from paci_megatron import run as paci_run
+    from paci_megatron.features.stale_correction import refuse_without_first_moment
+    from paci_megatron.flag import ConfigError
+
+    with pytest.raises(ValueError, match="--sgd-momentum 0 has none"):
+        paci_run.validate_flags(megatron_lm_args(optimizer="sgd", sgd_momentum=0.0,
+                                                 paci_stale_grad_correction=2.0))
+    paci_run.validate_flags(megatron_lm_args(optimizer="sgd", sgd_momentum=0.9,
+                                             paci_stale_grad_correction=2.0))
+    param = torch.nn.Parameter(torch.ones(2))
+    for inner in (torch.optim.AdamW([param]), torch.optim.SGD([param], lr=0.1, momentum=0.9)):
+        refuse_without_first_moment(_Wrapper(inner))
+    with pytest.raises(ConfigError, match="SGD as configured keeps none"):
+        refuse_without_first_moment(_Wrapper(torch.optim.SGD([param], lr=0.1)))

@@ -76,6 +76,10 @@ CASES: Dict[str, Dict] = {
                           stale_weight=0.5),
     "p2_dp2_stale": dict(pp=2, dp=2, a=2, dropout=0.1, stale_weight=0.5),
     "p2_per_token_stale": dict(pp=2, a=2, calls=4, per_token=True, dropout=0.1, stale_weight=0.5),
+    # tied + per-token + stale weights: stage 0's own half of the tied gradient is divided by
+    # its weighted token count, the last stage's half by the plain one
+    "p2_tied_per_token_stale": dict(pp=2, a=2, calls=4, tied=True, per_token=True, dropout=0.1,
+                                    stale_weight=0.5),
     # --paci-stale-grad-correction: unweighted drifts during the warm-up, with a drain and an
     # evaluation (p4_drain_eval's twin); weighted drifts with the distributed optimizer (sharded
     # moments, data-parallel reduction first); fp16 (unscaled first, overflow steps skipped)
