@@ -130,3 +130,12 @@ def megatron_lm_args(**overrides):
     for key, value in overrides.items():
         setattr(args, key, value)
     return args
+
+
+def train_paci(flags: Sequence[str], metrics, nproc: int = 2, timeout: float = 300,
+               env: Optional[Dict[str, str]] = None) -> dict:
+    """``pretrain_gpt_paci.py FLAGS --metrics-file METRICS`` under torchrun: its stdout, its
+    ``PACI_SUMMARY`` and every metrics record."""
+    _, out, _ = run_torchrun("pretrain_gpt_paci.py", [*flags, "--metrics-file", str(metrics)],
+                             nproc=nproc, timeout=timeout, env=env)
+    return {"out": out, "summary": paci_summary(out), "records": read_metrics(metrics)}

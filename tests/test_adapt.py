@@ -9,7 +9,7 @@ import pytest
 
 from paci_megatron import adapt
 from paci_megatron.arguments import ConfigError, build_parser, parse_and_validate, validate
-from paci_megatron.schedule import Op, Schedule, drift_bound, exchanges, plan_stream, work_items
+from paci_megatron.schedule import Op, Schedule, drift_bound, plan_stream, work_items
 from paci_megatron.simulate import NcclModel, run_lockstep, run_nccl
 
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from launch import REPO
+from launch import REPO, paci_summary, read_metrics
 
 pytestmark = pytest.mark.dist
 
@@ -85,7 +85,7 @@ def test_compare_reports_time_to_accuracy_over_seeds(compared):
 
 
 def _metrics(out, name, seed):
-    return [json.loads(l) for l in (out / f"{name}.seed{seed}.jsonl").read_text().splitlines()]
+    return read_metrics(out / f"{name}.seed{seed}.jsonl")
 
 
 def _train(records, key):
@@ -93,9 +93,7 @@ def _train(records, key):
 
 
 def _summary(out, name, seed):
-    log = (out / f"{name}.seed{seed}.log").read_text()
-    line = next(l for l in log.splitlines() if l.startswith("PACI_SUMMARY "))
-    return json.loads(line[len("PACI_SUMMARY "):])
+    return paci_summary((out / f"{name}.seed{seed}.log").read_text())
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -16,13 +16,12 @@ On the device machine (see ../shared/GPU_NOTES.md): megatron-core on PYTHONPATH,
 ``patches/`` at ``paci_megatron/patches``, then ``python -m pytest -q tests/test_cuda.py``.
 """
 
-import json
 import math
 
 import pytest
 import torch
 
-from launch import run_torchrun
+from launch import paci_summary, run_torchrun
 
 pytestmark = [pytest.mark.dist,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -36,17 +35,11 @@ DETERMINISTIC = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 TIMEOUT_S = 600
 
 
-def _summary(stdout: str) -> dict:
-    lines = [l for l in stdout.splitlines() if l.startswith("PACI_SUMMARY ")]
-    assert len(lines) == 1, stdout[-3000:]
-    return json.loads(lines[0][len("PACI_SUMMARY "):])
-
-
 def _run_p1(schedule: str) -> dict:
     _, out, _ = run_torchrun("pretrain_gpt_paci.py",
                              MODEL + ["--pipeline-schedule", schedule], nproc=1,
                              timeout=TIMEOUT_S, env=DETERMINISTIC)
-    return _summary(out)
+    return paci_summary(out)
 
 
 def _run_one_gpu(P: int, schedule: str, extra=()) -> dict:
@@ -55,7 +48,7 @@ def _run_one_gpu(P: int, schedule: str, extra=()) -> dict:
         ["pretrain_gpt_paci.py", *MODEL, "--pipeline-schedule", schedule,
          "--pipeline-model-parallel-size", str(P), "--distributed-backend", "gloo", *extra],
         nproc=P, timeout=TIMEOUT_S, env=DETERMINISTIC)
-    return _summary(out)
+    return paci_summary(out)
 
 
 @pytest.fixture(scope="module")

@@ -1,22 +1,15 @@
 """The README's main job, end to end: pretrain_gpt_paci.py under torchrun, both schedules."""
 
-import json
 
 import pytest
 
-from launch import run_torchrun
+from launch import paci_summary, run_torchrun
 
 pytestmark = pytest.mark.dist
 
 FLAGS = ["--train-iters", "8", "--global-batch-size", "8", "--micro-batch-size", "2",
          "--num-layers", "2", "--hidden-size", "32", "--seq-length", "16", "--lr", "3e-3"]
 # tied embeddings (Megatron's default), as the README's one-line main job
-
-
-def _summary(stdout):
-    lines = [l for l in stdout.splitlines() if l.startswith("PACI_SUMMARY ")]
-    assert len(lines) == 1, stdout[-3000:]
-    return json.loads(lines[0][len("PACI_SUMMARY "):])
 
 
 @pytest.mark.parametrize("schedule,function", [
@@ -27,7 +20,7 @@ def test_main_job_trains(schedule, function):
     _, out, _ = run_torchrun("pretrain_gpt_paci.py", FLAGS + ["--pipeline-schedule", schedule],
                              nproc=2, timeout=180)
     assert function in out
-    summary = _summary(out)
+    summary = paci_summary(out)
     losses = summary["losses"]
     assert len(losses) == 8 and losses[-1] < losses[0]
     assert sum(l.startswith(" iteration ") for l in out.splitlines()) == 8

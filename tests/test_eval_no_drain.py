@@ -9,11 +9,10 @@ drawn during evaluation would shift every later mask. A run that drains before e
 must differ, which shows the comparison can fail.
 """
 
-import json
 
 import pytest
 
-from launch import run_torchrun
+from launch import train_paci
 
 pytestmark = pytest.mark.dist
 
@@ -29,16 +28,10 @@ EVAL = ["--eval-interval", "2"]
 
 
 def _run(P, name, extra, tmp_path):
-    metrics = tmp_path / f"p{P}_{name}.jsonl"
-    _, out, _ = run_torchrun("pretrain_gpt_paci.py",
-                             FLAGS + ["--num-layers", str(P)] + extra +
-                             ["--metrics-file", str(metrics)], nproc=P, timeout=60 + 40 * P)
-    lines = [l for l in out.splitlines() if l.startswith("PACI_SUMMARY ")]
-    assert len(lines) == 1, out[-3000:]
-    summary = json.loads(lines[0][len("PACI_SUMMARY "):])
-    records = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()]
-    return dict(out=out, summary=summary, records=records,
-                losses=[float(r["lm_loss"]).hex() for r in records if "lm_loss" in r],
+    run = train_paci(FLAGS + ["--num-layers", str(P)] + extra, tmp_path / f"p{P}_{name}.jsonl",
+                     nproc=P, timeout=60 + 40 * P)
+    records = run["records"]
+    return dict(run, losses=[float(r["lm_loss"]).hex() for r in records if "lm_loss" in r],
                 evals=[r["iteration"] for r in records
                        if "validation_loss" in r and not r.get("final")])
 

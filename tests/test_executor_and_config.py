@@ -17,7 +17,7 @@ from paci_megatron.executor import (
     StageExecutor,
 )
 from paci_megatron.registry import SCHEDULES_BY_NAME
-from paci_megatron.schedule import Op, drift_bound, plan_stream
+from paci_megatron.schedule import drift_bound, plan_stream
 
 
 class FakeHandlers:

@@ -3,12 +3,11 @@
 process group starts; with the override the new schedule applies from the checkpoint's
 position (LR > 0 after the old end); with use-checkpoint the old one does, and the log says so."""
 
-import json
 import math
 
 import pytest
 
-from launch import run_torchrun
+from launch import read_metrics, run_torchrun
 from messages import error_messages, names_flag
 
 LR, WARMUP, GBS = 3e-3, 2, 8
@@ -20,8 +19,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 
 
 def _lrs(path):
-    with open(path) as f:
-        return {r["iteration"]: r["lr"] for r in map(json.loads, f) if "lm_loss" in r}
+    return {r["iteration"]: r["lr"] for r in read_metrics(path) if "lm_loss" in r}
 
 
 def _cosine_lr(iteration, train_iters):

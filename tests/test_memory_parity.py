@@ -1,10 +1,9 @@
 """PACI's whole-stage peak memory is 1F1B's (CPU live-tensor meter), at P=4 with Adam."""
 
-import json
 
 import pytest
 
-from launch import run_torchrun
+from launch import read_metrics, run_torchrun
 
 pytestmark = pytest.mark.dist
 
@@ -24,7 +23,7 @@ def peaks(tmp_path_factory):
         run_torchrun("pretrain_gpt_paci.py", FLAGS + [
             "--pipeline-schedule", schedule, "--metrics-file", str(metrics)], nproc=4,
             timeout=300)
-        final = [json.loads(line) for line in open(metrics)][-1]
+        final = read_metrics(metrics)[-1]
         assert final["final"]
         out[schedule] = final
     return out

@@ -4,7 +4,7 @@ distributed optimizer, --overlap-grad-reduce and --overlap-param-gather, and
 
 import pytest
 
-from launch import paci_summary, read_metrics, run_torchrun
+from launch import train_paci
 from messages import names_flag
 
 from paci_megatron.arguments import ConfigError, build_parser, validate
@@ -16,11 +16,8 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 
 
 def _run(tmp, name, flags, nproc):
-    path = tmp / f"{name}.jsonl"
-    _, out, _ = run_torchrun("pretrain_gpt_paci.py", TINY + flags + ["--metrics-file", str(path)],
-                             nproc=nproc, timeout=600)
-    records = [r for r in read_metrics(path) if "lm_loss" in r]
-    return {"out": out, "records": records, "summary": paci_summary(out)}
+    run = train_paci(TINY + flags, tmp / f"{name}.jsonl", nproc=nproc, timeout=600)
+    return dict(run, records=[r for r in run["records"] if "lm_loss" in r])
 
 
 # --- flag checks (no process group) ---------------------------------------------------------

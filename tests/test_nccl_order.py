@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from paci_megatron.schedule import Action, Op, Schedule, build_flush, build_paci, plan_stream
+from paci_megatron.schedule import Op, Schedule, build_flush, build_paci, plan_stream
 from paci_megatron.simulate import (
     Costs,
     DeadlockError,

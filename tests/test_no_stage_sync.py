@@ -1,13 +1,12 @@
 """No synchronisation between stages in PACI's steady state: logging every iteration runs no
 collective over the pipeline group, and flags that would put one there are refused."""
 
-import json
 import re
 import types
 
 import pytest
 
-from launch import megatron_lm_args, parse_results, run_torchrun
+from launch import megatron_lm_args, parse_results, read_metrics, run_torchrun
 from paci_megatron import run as paci_run
 from test_megatron_lm import needs_megatron_lm, run_pretrain_gpt
 
@@ -25,9 +24,7 @@ def counted_run(tmp_path_factory):
     metrics = tmp_path_factory.mktemp("nosync") / "metrics.jsonl"
     _, out, _ = run_torchrun("tests/workers/count_collectives.py",
                              FLAGS + ["--metrics-file", str(metrics)], nproc=P, timeout=300)
-    with open(metrics) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    return parse_results(out), out, records
+    return parse_results(out), out, read_metrics(metrics)
 
 
 @pytest.mark.dist

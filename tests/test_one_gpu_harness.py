@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from launch import parse_results, run_torchrun
+from launch import paci_summary, parse_results, run_torchrun
 
 pytestmark = pytest.mark.dist
 
@@ -20,12 +20,6 @@ FLAGS = ["pretrain_gpt_paci.py", "--pipeline-schedule", "paci", "--paci-sync-ite
          "--distributed-backend", "gloo"]
 
 
-def _summary(stdout: str) -> dict:
-    lines = [l for l in stdout.splitlines() if l.startswith("PACI_SUMMARY ")]
-    assert len(lines) == 1, stdout[-3000:]
-    return json.loads(lines[0][len("PACI_SUMMARY "):])
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     stats = tmp_path_factory.mktemp("stats")
@@ -33,7 +27,7 @@ def runs(tmp_path_factory):
     _, staged, _ = run_torchrun("tests/one_gpu.py", FLAGS, nproc=2, timeout=240,
                                 env={"ONE_GPU_STAGE_CPU": "1", "ONE_GPU_STATS": str(stats)})
     counts = [json.loads((stats / f"rank{r}.json").read_text()) for r in range(2)]
-    return _summary(plain), _summary(staged), counts
+    return paci_summary(plain), paci_summary(staged), counts
 
 
 def test_staged_run_equals_plain_run_bit_for_bit(runs):

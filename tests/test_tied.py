@@ -8,13 +8,12 @@ after every step, the staleness of every micro-batch, with a drain and an evalua
 drain) is checked against the one-process reference in tests/test_reference.py (``*_tied``).
 """
 
-import json
 import math
 import shutil
 
 import pytest
 
-from launch import run_torchrun
+from launch import train_paci
 
 pytestmark = pytest.mark.dist
 
@@ -28,18 +27,11 @@ ACCUMULATION = {2: 1, 4: 2}
 
 
 def _run(tmp, name, stages, flags):
-    metrics = tmp / f"{name}.jsonl"
-    _, out, _ = run_torchrun(
-        "pretrain_gpt_paci.py",
-        TINY + ["--paci-accumulation-factor", str(ACCUMULATION[stages]),
-                "--metrics-file", str(metrics)] + flags,
-        nproc=stages, timeout=300 if stages == 2 else 480)
-    summary = json.loads(out.split("PACI_SUMMARY ", 1)[1].splitlines()[0])
-    with open(metrics) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    summary["metric_losses"] = {r["iteration"]: r["lm_loss"] for r in records if "lm_loss" in r}
-    summary["final"] = records[-1]
-    return summary
+    run = train_paci(TINY + ["--paci-accumulation-factor", str(ACCUMULATION[stages])] + flags,
+                     tmp / f"{name}.jsonl", nproc=stages, timeout=300 if stages == 2 else 480)
+    records = run["records"]
+    return dict(run["summary"], final=records[-1],
+                metric_losses={r["iteration"]: r["lm_loss"] for r in records if "lm_loss" in r})
 
 
 @pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)],

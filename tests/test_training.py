@@ -1,6 +1,5 @@
 """pretrain_gpt_paci.py as a user runs it: real data, evaluation, checkpoints, metrics, errors."""
 
-import json
 import os
 import shutil
 import subprocess
@@ -8,7 +7,7 @@ import sys
 
 import pytest
 
-from launch import REPO, run_torchrun
+from launch import REPO, read_metrics, run_torchrun
 from messages import error_messages, names_flag
 
 SHAKESPEARE = os.path.join(REPO, "..", "shared", "data", "tinyshakespeare.txt")
@@ -17,11 +16,6 @@ TINY = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
         "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
         "--untie-embeddings-and-output-weights", "--lr", "3e-3", "--lr-warmup-iters", "2",
         "--log-interval", "1", "--distributed-timeout-minutes", "2"]
-
-
-def _metrics(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def _train(flags, nproc=2, timeout=240):
@@ -46,14 +40,14 @@ def shakespeare(tmp_path_factory):
 
 @pytest.mark.dist
 @pytest.mark.parametrize("schedule", ["1f1b", "paci"])
-def test_shakespeare_trains_evaluates_and_writes_metrics(schedule, shakespeare, tmp_path):
+def test_shakespeare_trains_evaluates_and_writesread_metrics(schedule, shakespeare, tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     _, out, _ = _train(shakespeare + ["--pipeline-schedule", schedule, "--train-iters", "30",
                                       "--eval-interval", "10", "--eval-iters", "2",
                                       "--metrics-file", str(metrics), "--split", "90,10,0",
                                       "--tensorboard-dir", str(tmp_path / "tb")])
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tb"))
-    records = _metrics(metrics)
+    records = read_metrics(metrics)
     logged = [r for r in records if "lm_loss" in r]
     assert len(logged) == 30
     for r in logged:
@@ -77,7 +71,7 @@ def test_shakespeare_trains_evaluates_and_writes_metrics(schedule, shakespeare, 
 
 
 def _losses(path):
-    return {r["iteration"]: r["lm_loss"] for r in _metrics(path) if "lm_loss" in r}
+    return {r["iteration"]: r["lm_loss"] for r in read_metrics(path) if "lm_loss" in r}
 
 
 @pytest.mark.dist

@@ -24,7 +24,7 @@ from paci_megatron.mcore import build
 from paci_megatron.mcore.handlers import MegatronHandlers
 from paci_megatron.mcore.reference import PipelineEmulator, StageParts, weights_sha256
 from paci_megatron.tools.backward_audit import audit_backward
-from paci_megatron.mcore.runtime import PaciRuntime, get_forward_backward_func
+from paci_megatron.mcore.runtime import PaciRuntime
 from paci_megatron.mcore.tied import tied_sha256
 from paci_megatron.plan_policy import AdaptivePlan
 
