@@ -21,7 +21,7 @@ from .adapt import candidates
 from .features import FEATURES
 from .flag import ConfigError, Flag, bounded_float, bounded_int, positive
 from .schedule import check_max_drift, check_per_call, plan_stream
-from .shape import StreamShape
+from .shape import StreamShape, local_steps_ramped
 from .simulate import ScheduleError, check_plan
 
 SCHEDULES = ("1f1b", "interleaved", "paci")
@@ -130,6 +130,14 @@ class PaciConfig:
     @property
     def auto(self) -> bool:
         return bool(self.adapt_interval)
+
+    def local_steps_before(self, iteration: int, ramp: Optional[Sequence[int]] = None) -> int:
+        """Local steps every stage has taken after ``iteration`` iterations (a --load resumes
+        there); ``ramp``: each iteration's micro-batches under --rampup-batch-size."""
+        if ramp is None:
+            return self.shape.local_steps_before(iteration)
+        return local_steps_ramped(ramp, None if self.accumulation_follows else self.accumulation,
+                                  self.sync_iters)
 
 
 def resolve(args, layout: Layout) -> PaciConfig:

@@ -175,18 +175,12 @@ def local_steps_before(margs, cfg: PaciConfig, iteration: int) -> int:
     """Local steps every stage took in Megatron-LM's first ``iteration`` iterations (a
     --load resumes there)."""
     if not margs.rampup_batch_size:
-        return cfg.shape.local_steps_before(iteration)
+        return cfg.local_steps_before(iteration)
     from .mcore.build import BatchRamp
-    from .shape import local_steps_ramped
 
     ramp = BatchRamp([int(x) for x in margs.rampup_batch_size], margs.global_batch_size,
                      margs.micro_batch_size, margs.data_parallel_size)
-    counts, consumed = [], 0
-    for _ in range(iteration):
-        counts.append(ramp.micro_batches(consumed))
-        consumed += counts[-1] * margs.micro_batch_size * margs.data_parallel_size
-    accumulation = None if cfg.accumulation_follows else cfg.accumulation
-    return local_steps_ramped(counts, accumulation, cfg.shape.sync_iters)
+    return cfg.local_steps_before(iteration, ramp.per_iteration(iteration))
 
 
 def report(runtime) -> None:

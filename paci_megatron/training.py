@@ -28,7 +28,6 @@ from .memory import LiveTensorMeter, SavedTensorMeter
 from .quiet import is_local_rank0
 from .config import PaciConfig
 from .registry import SCHEDULES_BY_NAME
-from .shape import local_steps_ramped
 from .restart import SaveClock, describe_mismatch, restart_count, run_fingerprint
 
 
@@ -255,14 +254,8 @@ def _micro_batches_now(job: Job) -> int:
 
 def _local_steps_before(job: Job) -> int:
     """Local steps a stage took in the first ``job.iteration`` iterations."""
-    if job.ramp is None:
-        return job.opts.shape.local_steps_before(job.iteration)
-    counts, consumed = [], 0
-    for _ in range(job.iteration):
-        counts.append(job.ramp.micro_batches(consumed))
-        consumed += counts[-1] * job.args.micro_batch_size * job.info["dp_size"]
-    accumulation = None if job.opts.accumulation_follows else job.opts.accumulation
-    return local_steps_ramped(counts, accumulation, job.opts.sync_iters)
+    ramp = job.ramp.per_iteration(job.iteration) if job.ramp is not None else None
+    return job.opts.local_steps_before(job.iteration, ramp)
 
 
 def train_step(job: Job) -> Dict:

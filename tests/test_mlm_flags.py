@@ -213,12 +213,12 @@ def test_resume_counts_the_local_steps_of_a_ramp(follows, accumulation, sync, ex
     steps already taken (M = 2 for 32 samples of 4, then 4)."""
     import types
 
+    from paci_megatron.config import PaciConfig
     from paci_megatron.mcore.build import BatchRamp
+    from paci_megatron.shape import StreamShape
     from paci_megatron.training import _local_steps_before
 
-    opts = types.SimpleNamespace(sync_iters=sync, accumulation_follows=follows,
-                                 accumulation=accumulation)
-    job = types.SimpleNamespace(args=types.SimpleNamespace(micro_batch_size=2), opts=opts,
-                                iteration=10, info={"dp_size": 1},
-                                ramp=BatchRamp([4, 4, 32], 8, 2, 1))
+    opts = PaciConfig("paci", StreamShape(2, accumulation, 2, 2, 1, sync),
+                      accumulation_follows=follows)
+    job = types.SimpleNamespace(opts=opts, iteration=10, ramp=BatchRamp([4, 4, 32], 8, 2, 1))
     assert _local_steps_before(job) == expected

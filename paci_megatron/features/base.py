@@ -43,6 +43,7 @@ class StageContext:
 class StageFeature:
     """Base: every hook does nothing. Hooks, in the order a stage meets them:
 
+    - ``on_bind``: the stage's optimizer is known (refuse one the feature cannot use);
     - ``before_forward`` / ``after_forward``: around a micro-batch's forward;
     - ``backward_factor``: on a backward, the factor the group's gradient buffer is scaled by
       before that micro-batch's gradient joins it, and ``token_weight``, its token count's;
@@ -66,6 +67,9 @@ class StageFeature:
 
     def summary(self) -> dict:
         return {}
+
+    def on_bind(self, ctx: StageContext) -> None:
+        pass
 
     def before_forward(self, ctx: StageContext, mb: int) -> None:
         pass

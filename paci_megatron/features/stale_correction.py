@@ -79,6 +79,9 @@ class StaleGradCorrection(StageFeature):
         without stale micro-batches."""
         return self.strength * mean_drift if mean_drift else 0.0
 
+    def on_bind(self, ctx: StageContext) -> None:
+        refuse_without_first_moment(ctx.optimizer)
+
     def around_optimizer(self, ctx: StageContext):
         return momentum_corrected(ctx.optimizer, self.coefficient(ctx.group_mean_drift()))
 

@@ -392,6 +392,7 @@ class BatchRamp:
         )
 
         start, incr, samples = rampup
+        self.samples_per_microbatch = micro_batch_size * data_parallel_size
         self.calculator = RampupBatchsizeNumMicroBatchesCalculator(
             global_batch_size, micro_batch_size, data_parallel_size,
             decrease_batch_size_if_needed=False, rank=rank,
@@ -400,6 +401,14 @@ class BatchRamp:
     def micro_batches(self, consumed_samples: int) -> int:
         self.calculator.update(consumed_samples, consistency_check=True)
         return self.calculator.get()
+
+    def per_iteration(self, iterations: int) -> List[int]:
+        """The micro-batches of each of the first ``iterations`` iterations."""
+        counts, consumed = [], 0
+        for _ in range(iterations):
+            counts.append(self.micro_batches(consumed))
+            consumed += counts[-1] * self.samples_per_microbatch
+        return counts
 
 
 # --------------------------------------------------------------------------------------------

@@ -25,7 +25,6 @@ from megatron.core.utils import get_model_config, get_model_type
 
 from ..executor import DriftStats, ReplayIterator, StageExecutor
 from ..features.base import StageContext, StageFeature, sub_optimizers
-from ..features.stale_correction import StaleGradCorrection, refuse_without_first_moment
 from ..plan_policy import PlanPolicy
 from ..schedule import Op, StreamPlan, check_max_drift, check_per_call
 from ..shape import closes_group, drift_bound, tied_lag
@@ -116,12 +115,12 @@ class PaciRuntime:
     # wiring ----------------------------------------------------------------------------------
     def bind(self, optimizer, lr_scheduler=None, lr_increment: Optional[int] = None) -> None:
         """Attach the stage's optimizer; PACI's grad-norm / found-inf stay in the stage."""
-        if any(isinstance(f, StaleGradCorrection) for f in self.user_features):
-            refuse_without_first_moment(optimizer)
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.lr_increment = lr_increment
         self.ctx.optimizer = optimizer
+        for feature in self.user_features:
+            feature.on_bind(self.ctx)
         self._stock_grad_groups = [getattr(opt, "grad_stats_parallel_group", None)
                                    for opt in sub_optimizers(optimizer)]
         self._use_stage_grad_stats(self.kind == "paci")
@@ -299,7 +298,10 @@ class PaciRuntime:
         elif data_iterator is not self.data.base:
             raise RuntimeError("the data iterator changed while micro-batches were in flight; "
                                "call drain() first")
-        self.plan = self.policy.before_call(self, self.plan)
+        plan = self.policy.before_call(self, self.plan)
+        if plan is not self.plan:  # --paci-accumulation-factor auto took another a
+            admission.admit_plan(plan, self.model_config)
+            self.plan = plan
         store: list = []
         handlers = MegatronHandlers(self, forward_step_func=forward_step_func, data=self.data,
                                     forward_data_store=store)
@@ -376,6 +378,8 @@ class PaciRuntime:
                "histogram": dict(sorted(self.drift.histogram.items())),
                "steps": self.drift.version, "skipped_steps": self.skipped_steps}
         row.update(self.policy.summary(self.calls_done))
+        for feature in self.user_features:
+            row.update(feature.summary())
         if self.tied_histogram:  # last stage, tied embeddings: staleness of its tied copy
             row["tied"] = {"max": max(self.tied_histogram),
                            "bound": tied_lag(self.num_stages, self.accumulation),
