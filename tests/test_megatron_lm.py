@@ -287,6 +287,25 @@ def test_paci_accumulation_factor_and_checkpoints(stock_run, tmp_path):
 
 @pytest.mark.dist
 @needs_megatron_lm
+def test_warm_start_drain_before_eval_and_resume_through_the_drop_in(tmp_path):
+    """Flags that came to the drop-in with the one flag table: the stock-1F1B warm start
+    (--paci-sync-iters), --paci-drain-before-eval, and a --load that continues the local-step
+    count. a = 2 of 4: iteration 1 takes 1 step (stock), every later one 2."""
+    flags = ["--pipeline-schedule", "paci", "--paci-accumulation-factor", "2",
+             "--paci-sync-iters", "1", "--paci-drain-before-eval", "--save", str(tmp_path / "c"),
+             "--save-interval", "2"]
+    first = _ok(flags + ["--exit-interval", "2"], tmp_path)
+    assert "stock 1F1B for the first 1 iterations" in first
+    assert "drained the pipeline before evaluation" in first
+    assert drift(first)[0]["steps"] == 1 + 2
+    second = _ok(flags + ["--load", str(tmp_path / "c")], tmp_path)
+    assert [r["iteration"] for r in iterations(second)] == ["3", "4"], second[-3000:]
+    assert drift(second) == {0: dict(max=1, bound=1, steps=1 + 3 * 2),
+                             1: dict(max=0, bound=0, steps=1 + 3 * 2)}
+
+
+@pytest.mark.dist
+@needs_megatron_lm
 def test_paci_accepts_tied_embeddings(tmp_path):
     """Megatron-LM's default, tied input/output embeddings, under PACI at P=2 with a = 1
     (the last stage's copy trails stage 0's by ceil(P/a) = 2 steps): it trains, the tied
