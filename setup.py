@@ -1,6 +1,17 @@
 """paci-megatron: the PACI asynchronous pipeline schedule as a plugin for Megatron-Core."""
 
+import os
+import re
+
 from setuptools import setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# torch: the versions the code is tested with (2.13 on CPU, 2.11 on an H200) and those between;
+# megatron-core: what the patches' version guard accepts (patches/cpu_gloo.py, MCORE_RANGE).
+# A machine's exact pins (the CPU torch wheel) are constraints-cpu.txt, not requirements.
+TORCH_RANGE = ">=2.11,<2.14"
+with open(os.path.join(HERE, "patches", "cpu_gloo.py")) as handle:
+    MCORE_RANGE = re.search(r'^MCORE_RANGE = "([^"]+)"', handle.read(), re.M).group(1)
 
 setup(
     name="paci-megatron",
@@ -15,8 +26,8 @@ setup(
     package_dir={"paci_megatron.patches": "patches"},
     py_modules=[],
     install_requires=[
-        "torch==2.13.0",
-        "megatron-core==0.16.1",
+        "torch" + TORCH_RANGE,
+        "megatron-core" + MCORE_RANGE,
         "numpy",
         "packaging",
         "psutil",  # megatron's dist_checkpointing writer dies without it (see CPU notes)

@@ -28,7 +28,11 @@ from typing import Callable, Dict, Iterable, List, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
-SUPPORTED_MCORE_VERSIONS = ("0.16.1",)
+SUPPORTED_MCORE_VERSIONS = ("0.16.1",)  # tested
+# what the guard accepts (setup.py's requirement reads it): the tested release and the later
+# patch releases of its minor version, whose APIs megatron-core keeps; the Megatron-LM drop-in
+# also checks the signature of everything it patches
+MCORE_RANGE = ">=0.16.1,<0.17"
 
 __all__ = [
     "SUPPORTED_MCORE_VERSIONS",
@@ -73,12 +77,19 @@ def installed_megatron_core_version() -> Optional[str]:
 
 def check_megatron_core_version() -> str:
     """Raise :class:`UnsupportedMegatronVersion` unless megatron-core is a supported version."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
     version = installed_megatron_core_version()
-    if version not in SUPPORTED_MCORE_VERSIONS:
+    try:
+        supported = version is not None and Version(version) in SpecifierSet(MCORE_RANGE)
+    except InvalidVersion:
+        supported = False
+    if not supported:
         found = "not installed" if version is None else f"version {version} is installed"
         raise UnsupportedMegatronVersion(
-            f"paci_megatron patches support megatron-core "
-            f"{', '.join(SUPPORTED_MCORE_VERSIONS)} only, but megatron-core {found}. "
+            f"paci_megatron patches support megatron-core {MCORE_RANGE} (tested: "
+            f"{', '.join(SUPPORTED_MCORE_VERSIONS)}), but megatron-core {found}. "
             f"Install a supported one (pip install megatron-core=={SUPPORTED_MCORE_VERSIONS[-1]})."
         )
     return version
