@@ -216,7 +216,7 @@ def validate(args: argparse.Namespace, world_size: int) -> PaciConfig:
         micro_batch_size=args.micro_batch_size, data_parallel_size=dp, virtual=vpp is not None,
         ramp=tuple(ramp), tied=pp > 1 and not args.untie_embeddings_and_output_weights,
         fp16=args.fp16, distributed_optimizer=args.use_distributed_optimizer,
-        overlap_grad_reduce=args.overlap_grad_reduce))
+        overlap_grad_reduce=args.overlap_grad_reduce, train_iters=args.train_iters))
 
 
 def _validate_data_parallel_flags(args) -> None:

@@ -55,6 +55,10 @@ CORE_FLAGS = (
          metavar="K", help="synchronous warm start: run the first K iterations as stock 1F1B "
                            "(flush, one step per iteration), then PACI with no drain at the "
                            "switch"),
+    Flag("--paci-cooldown-iters", type=bounded_int("--paci-cooldown-iters", 0), default=0,
+         neutral=0, metavar="K",
+         help="synchronous cool-down: run the last K iterations (of --train-iters) as stock "
+              "1F1B, after a drain, so the run ends on stock 1F1B in one launch"),
     Flag("--paci-drain-before-eval", switch=True,
          help="drain the pipeline before each evaluation (frees the in-flight activations; "
               "training then continues as if it had flushed there). Default: evaluate between "
@@ -101,6 +105,7 @@ class Layout:
     fp16: bool = False
     distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
+    train_iters: Optional[int] = None  # None: the run's length is not known in iterations
 
 
 @dataclass(frozen=True)
@@ -137,7 +142,7 @@ class PaciConfig:
         if ramp is None:
             return self.shape.local_steps_before(iteration)
         return local_steps_ramped(ramp, None if self.accumulation_follows else self.accumulation,
-                                  self.sync_iters)
+                                  self.sync_iters, self.shape.cooldown_start)
 
 
 def resolve(args, layout: Layout) -> PaciConfig:
@@ -166,7 +171,7 @@ def resolve(args, layout: Layout) -> PaciConfig:
         raise ConfigError(str(exc)) from None
     shape = StreamShape(layout.pipeline_size, accumulation, layout.microbatches,
                         layout.micro_batch_size, layout.data_parallel_size,
-                        args.paci_sync_iters or 0)
+                        args.paci_sync_iters or 0, _cooldown_start(args, layout))
     cfg = PaciConfig(
         "paci", shape, accumulation_follows=follows, max_drift=args.paci_max_drift,
         on_nonfinite=args.paci_on_nonfinite or "skip",
@@ -175,6 +180,20 @@ def resolve(args, layout: Layout) -> PaciConfig:
         stale_grad_correction=_resolved(args.paci_stale_grad_correction, _default_strength()))
     check_plans(cfg, layout)
     return cfg
+
+
+def _cooldown_start(args, layout: Layout) -> Optional[int]:
+    """--paci-cooldown-iters K: the iteration the stock-1F1B cool-down starts at."""
+    cooldown = getattr(args, "paci_cooldown_iters", 0) or 0
+    if not cooldown:
+        return None
+    if layout.train_iters is None:
+        raise ConfigError(f"--paci-cooldown-iters {cooldown} needs the run's length in "
+                          "iterations: give --train-iters (not --train-samples)")
+    if cooldown > layout.train_iters:
+        raise ConfigError(f"--paci-cooldown-iters {cooldown} is longer than the run "
+                          f"(--train-iters {layout.train_iters}); lower it")
+    return layout.train_iters - cooldown
 
 
 def _resolved(value, default):

@@ -150,6 +150,8 @@ def log_start(job) -> None:
            f"policy {opts.adapt_policy})" if opts.auto else f"{opts.accumulation}")
         + (f", stock 1F1B for the first {opts.sync_iters} iterations (--paci-sync-iters)"
            if opts.sync_iters else "")
+        + (f", stock 1F1B from iteration {opts.shape.cooldown_start + 1} on "
+           "(--paci-cooldown-iters)" if opts.shape.cooldown_start is not None else "")
         + (f", {features}" if features else ""))
 
 

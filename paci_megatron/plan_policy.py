@@ -15,21 +15,26 @@ from typing import Dict, Optional
 from .adapt import Adaptive, bound_in_call, staleness
 from .features.base import StageContext, StageFeature
 from .schedule import StreamPlan, plan_stream
+from .shape import is_stock
 
 
 class PlanPolicy:
-    """A fixed accumulation factor, after ``sync_calls`` calls of stock 1F1B."""
+    """A fixed accumulation factor, between ``sync_calls`` calls of stock 1F1B at the start
+    and a stock-1F1B cool-down from call ``cooldown_start`` on."""
 
-    def __init__(self, kind: str, num_stages: int, accumulation: int, sync_calls: int = 0):
+    def __init__(self, kind: str, num_stages: int, accumulation: int, sync_calls: int = 0,
+                 cooldown_start: Optional[int] = None):
         self.kind = kind
         self.num_stages = num_stages
         self.factor = accumulation  # the a of the plans this policy hands out
         self.sync_calls = sync_calls if kind == "paci" else 0
+        self.cooldown_start = cooldown_start if kind == "paci" else None
         self.features: tuple = ()  # stage features the policy needs (a meter)
 
     def kind_at(self, calls_done: int) -> str:
-        """"flush" during the warm-up, else the runtime's kind."""
-        return "flush" if calls_done < self.sync_calls else self.kind
+        """"flush" during the warm-up and the cool-down, else the runtime's kind."""
+        stock = is_stock(calls_done, self.sync_calls, self.cooldown_start)
+        return "flush" if self.kind == "paci" and stock else self.kind
 
     def plan(self, calls_done: int, per_call: int, tied: bool) -> StreamPlan:
         """The warm-up runs the flush plan with one step per call: stock 1F1B (loss scaled by
@@ -94,8 +99,8 @@ class AdaptivePlan(PlanPolicy):
     bound of the smaller a (``adapt.bound_in_call``)."""
 
     def __init__(self, num_stages: int, adaptive: Adaptive, sync_calls: int = 0,
-                 max_drift: Optional[int] = None):
-        super().__init__("paci", num_stages, adaptive.current, sync_calls)
+                 max_drift: Optional[int] = None, cooldown_start: Optional[int] = None):
+        super().__init__("paci", num_stages, adaptive.current, sync_calls, cooldown_start)
         self.adaptive = adaptive
         self.max_drift = max_drift
         self.meter = WeightChange()

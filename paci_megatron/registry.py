@@ -33,9 +33,11 @@ def make_paci_runtime(cfg: PaciConfig):
         adaptive = Adaptive(shape.num_stages, shape.per_call,
                             candidates(shape.num_stages, shape.per_call, cfg.max_drift),
                             cfg.adapt_interval, cfg.adapt_tolerance, cfg.adapt_policy)
-        policy = AdaptivePlan(shape.num_stages, adaptive, shape.sync_iters, cfg.max_drift)
+        policy = AdaptivePlan(shape.num_stages, adaptive, shape.sync_iters, cfg.max_drift,
+                              shape.cooldown_start)
     else:
-        policy = PlanPolicy("paci", shape.num_stages, shape.accumulation, shape.sync_iters)
+        policy = PlanPolicy("paci", shape.num_stages, shape.accumulation, shape.sync_iters,
+                            shape.cooldown_start)
     runtime = PaciRuntime(accumulation=shape.accumulation, max_drift=cfg.max_drift,
                           on_nonfinite=cfg.on_nonfinite, policy=policy,
                           features=build_features(cfg))

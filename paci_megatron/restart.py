@@ -46,23 +46,40 @@ def run_fingerprint(args, cfg) -> Dict:
     return found
 
 
-def describe_mismatch(saved: Optional[Mapping], current: Mapping) -> List[str]:
-    """One line per flag on which a checkpoint and this run differ; [] when they agree.
+# what a run may change on --load: a drained PACI checkpoint holds what a 1F1B one holds
+SWITCHABLE = {"pipeline_schedule", "paci_accumulation_factor"}
+SWITCHABLE_SCHEDULES = {"1f1b", "paci"}
 
-    A checkpoint written before fingerprints existed (``saved`` None) is not checked. The
-    accumulation factor matters only when both runs use PACI (stock schedules ignore it)."""
+
+def describe_mismatch(saved: Optional[Mapping], current: Mapping) -> List[str]:
+    """One line per flag on which a checkpoint and this run differ in a way the load cannot
+    take; [] when it can. A checkpoint written before fingerprints existed (``saved`` None)
+    is not checked. Switching between 1f1b and paci, or changing a, is allowed
+    (``describe_switch`` names it)."""
     if not saved:
         return []
-    both_paci = saved.get("pipeline_schedule") == current.get("pipeline_schedule") == "paci"
     out = []
     for attr, flag in RUN_FLAGS:
-        if attr not in saved or attr not in current:
+        if attr not in saved or attr not in current or saved[attr] == current[attr]:
             continue
-        if attr == "paci_accumulation_factor" and not both_paci:
+        if attr in SWITCHABLE and {saved["pipeline_schedule"], current["pipeline_schedule"]} \
+                <= SWITCHABLE_SCHEDULES:
             continue
-        if saved[attr] != current[attr]:
-            out.append(f"{flag}: checkpoint {saved[attr]}, this run {current[attr]}")
+        out.append(f"{flag}: checkpoint {saved[attr]}, this run {current[attr]}")
     return out
+
+
+def describe_switch(saved: Optional[Mapping], current: Mapping) -> Optional[str]:
+    """The one line a load that changes the schedule (or PACI's a) prints; None otherwise."""
+    def named(run):
+        a = f" (a={run['paci_accumulation_factor']})" if run["pipeline_schedule"] == "paci" \
+            else ""
+        return f"--pipeline-schedule {run['pipeline_schedule']}{a}"
+
+    if not saved or "pipeline_schedule" not in saved or named(saved) == named(current):
+        return None
+    return (f"the checkpoint was written with {named(saved)}, this run continues with "
+            f"{named(current)} (a drained checkpoint holds what either needs)")
 
 
 def trim_metrics(path: str, iteration: int) -> Tuple[int, int]:

@@ -85,7 +85,8 @@ def megatron_lm_layout(args, num_microbatches: Optional[int] = None) -> Layout:
                   tied=pp > 1 and not args.untie_embeddings_and_output_weights,
                   fp16=bool(getattr(args, "fp16", False)),
                   distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
-                  overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)))
+                  overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
+                  train_iters=getattr(args, "train_iters", None))
 
 
 def validate_flags(args: argparse.Namespace) -> Optional[PaciConfig]:
@@ -166,6 +167,8 @@ def make_runtime(margs, num_microbatches: int, optimizer, scheduler):
               f"{shape.num_stages} stages"
               + (f", stock 1F1B for the first {shape.sync_iters} iterations" if shape.sync_iters
                  else "")
+              + (f", stock 1F1B from iteration {shape.cooldown_start + 1} on"
+                 if shape.cooldown_start is not None else "")
               + (f", {runtime.describe()}" if runtime.describe() else ", plain PACI"),
               flush=True)
     return runtime

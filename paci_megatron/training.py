@@ -25,10 +25,11 @@ from .job_log import (final_record, log, log_final_drift, log_iteration, log_sta
                       memory_record, pipeline_table, tensorboard_writer, trim_metrics_file,
                       write_metrics)
 from .memory import LiveTensorMeter, SavedTensorMeter
-from .quiet import is_local_rank0
+from .quiet import is_local_rank0, is_rank0
 from .config import PaciConfig
 from .registry import SCHEDULES_BY_NAME
-from .restart import SaveClock, describe_mismatch, restart_count, run_fingerprint
+from .restart import (SaveClock, describe_mismatch, describe_switch, restart_count,
+                      run_fingerprint)
 
 
 @dataclass
@@ -100,14 +101,19 @@ def preflight(args, opts: PaciConfig):
 
 def _check_checkpoint_matches(args, opts: PaciConfig) -> None:
     """The newest complete checkpoint under --load must come from a run like this one (same
-    parallel layout, schedule, accumulation factor and model shape): raises naming each flag
-    that differs. A missing or empty --load directory passes (the run starts from scratch)."""
+    parallel layout and model shape; the schedule may switch between 1f1b and paci, and a may
+    change, with one line saying so): raises naming each flag that differs. A missing or
+    empty --load directory passes (the run starts from scratch)."""
     from .arguments import ConfigError
 
     path = checkpoint.find_checkpoint(args.load)
     if path is None:
         return
-    problems = describe_mismatch(checkpoint.read_extra(path).get("run"), run_fingerprint(args, opts))
+    saved, current = checkpoint.read_extra(path).get("run"), run_fingerprint(args, opts)
+    problems = describe_mismatch(saved, current)
+    switch = describe_switch(saved, current)
+    if switch and not problems and is_rank0():
+        log(f"> --load {args.load}: {switch}")
     if problems:
         raise ConfigError(
             f"--load {args.load}: checkpoint {path} was written by a different run: "

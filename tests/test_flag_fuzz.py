@@ -13,7 +13,7 @@ BAD_VALUES = ["-1", "0", "abc", "", "1e400"]
 ACCEPTED = {
     ("--seed", "0"), ("--lr", "0"), ("--min-lr", "0"), ("--weight-decay", "0"),
     ("--hidden-dropout", "0"), ("--attention-dropout", "0"), ("--clip-grad", "0"),
-    ("--lr-warmup-iters", "0"), ("--paci-sync-iters", "0"), ("--adam-beta1", "0"), ("--adam-beta2", "0"),
+    ("--lr-warmup-iters", "0"), ("--paci-sync-iters", "0"), ("--paci-cooldown-iters", "0"), ("--adam-beta1", "0"), ("--adam-beta2", "0"),
     ("--paci-stale-grad-correction", "0"),
     ("--save", "abc"), ("--save", "0"), ("--save", "-1"), ("--save", "1e400"),
     # a missing --load directory starts from scratch (Megatron-LM's --save DIR --load DIR)

@@ -13,7 +13,8 @@ import pytest
 
 from launch import paci_summary, read_metrics, run_torchrun
 
-from paci_megatron.restart import SaveClock, describe_mismatch, run_fingerprint, trim_metrics
+from paci_megatron.restart import (SaveClock, describe_mismatch, describe_switch,
+                                   run_fingerprint, trim_metrics)
 
 # P=4 under PACI, a=2 (two local steps per stage and iteration), dropout on: RNG state matters
 P4 = ["--pipeline-model-parallel-size", "4", "--num-layers", "4", "--hidden-size", "32",
@@ -122,12 +123,9 @@ def _args(flags, world_size):
 
 @pytest.mark.dist
 @pytest.mark.parametrize("change,world,message", [
-    (["--paci-accumulation-factor", "4"], 4,
-     "--paci-accumulation-factor: checkpoint 2, this run 4"),
     (["--pipeline-model-parallel-size", "2"], 2,
      "--pipeline-model-parallel-size: checkpoint 4, this run 2"),
     (["--hidden-size", "64"], 4, "--hidden-size: checkpoint 32, this run 64"),
-    (["--pipeline-schedule", "1f1b"], 4, "--pipeline-schedule: checkpoint paci, this run 1f1b"),
 ])
 def test_checkpoint_of_another_run_is_refused_naming_what_differs(uninterrupted, change, world,
                                                                   message):
@@ -137,13 +135,24 @@ def test_checkpoint_of_another_run_is_refused_naming_what_differs(uninterrupted,
 
     ckpt = uninterrupted[3]
     preflight(*_args(P4 + ["--load", str(ckpt)], 4))  # the same run: accepted
-    flags = P4
-    if "1f1b" in change:  # a PACI flag under another schedule is refused by itself
-        at = P4.index("--paci-accumulation-factor")
-        flags = P4[:at] + P4[at + 2:]
     with pytest.raises(ConfigError, match="was written by a different run") as error:
-        preflight(*_args(flags + ["--load", str(ckpt)] + change, world))
+        preflight(*_args(P4 + ["--load", str(ckpt)] + change, world))
     assert message in str(error.value)
+
+
+@pytest.mark.dist
+def test_a_checkpoint_may_switch_the_schedule_or_a_with_one_line(uninterrupted, capsys):
+    from paci_megatron.training import preflight
+
+    ckpt = uninterrupted[3]
+    at = P4.index("--paci-accumulation-factor")
+    preflight(*_args(P4[:at] + P4[at + 2:] + ["--pipeline-schedule", "1f1b", "--load",
+                                              str(ckpt)], 4))
+    preflight(*_args(P4 + ["--paci-accumulation-factor", "4", "--load", str(ckpt)], 4))
+    out = capsys.readouterr().out
+    assert "written with --pipeline-schedule paci (a=2), this run continues with " \
+           "--pipeline-schedule 1f1b" in out
+    assert "this run continues with --pipeline-schedule paci (a=4)" in out
 
 
 @pytest.mark.dist
@@ -203,9 +212,21 @@ def test_describe_mismatch_names_each_flag():
     assert describe_mismatch(saved, other) == [
         "--pipeline-model-parallel-size: checkpoint 4, this run 2",
         "--num-layers: checkpoint 4, this run 8"]
-    # the accumulation factor only matters when both runs are PACI
+    # the schedule may switch between paci and 1f1b, and a may change: one line says so
     stock = dict(saved, pipeline_schedule="1f1b", paci_accumulation_factor=4)
-    assert describe_mismatch(saved, stock) == ["--pipeline-schedule: checkpoint paci, this run 1f1b"]
+    assert describe_mismatch(saved, stock) == []
+    assert describe_switch(saved, stock) == (
+        "the checkpoint was written with --pipeline-schedule paci (a=2), this run continues "
+        "with --pipeline-schedule 1f1b (a drained checkpoint holds what either needs)")
+    assert describe_switch(saved, dict(saved, paci_accumulation_factor=4)).endswith(
+        "continues with --pipeline-schedule paci (a=4) (a drained checkpoint holds what either "
+        "needs)")
+    assert describe_switch(saved, same) is None
+    interleaved = dict(saved, pipeline_schedule="interleaved",
+                       virtual_pipeline_model_parallel_size=2)
+    assert describe_mismatch(saved, interleaved) == [
+        "--num-layers-per-virtual-pipeline-stage (chunks): checkpoint None, this run 2",
+        "--pipeline-schedule: checkpoint paci, this run interleaved"]
 
 
 def test_trim_metrics_keeps_each_iteration_once(tmp_path):

@@ -160,3 +160,12 @@ def test_gaps_at_fractions_of_the_baseline_run():
     assert tta.gaps_at(base, curve([4.0, 4.0, 3.0, 2.0]), 0, (0.25, 0.375)) == \
         pytest.approx([-20.0, 100 * (4.0 / 4.5 - 1)])
     assert tta.gaps_at([], run, 0, (1.0,)) == [None]
+
+
+def test_warm_up_and_cool_down_iterations_run_at_stock_pace():
+    shape = tta.RunShape("paci", 4, 8, 8, sync_iters=2, cooldown_start=8)
+    assert shape.updates(10) == 2 + 6 + 2  # one step per stock iteration, N/a = 1 here too
+    assert tta.projected_seconds(shape, Costs(1.0, 2.0), 10, per_iteration=(5.0, 3.0)) == \
+        4 * 5.0 + 6 * 3.0
+    four = tta.RunShape("paci", 4, 8, 2, cooldown_start=6)
+    assert four.updates(8) == 6 * 4 + 2

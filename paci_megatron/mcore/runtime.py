@@ -288,7 +288,9 @@ class PaciRuntime:
                     forward_only=True, collect_non_loss_data=collect_non_loss_data,
                     first_val_step=first_val_step)
         if self.plan is not None and self.plan.kind != self.policy.kind_at(self.calls_done):
-            self.plan = None  # end of the sync warm-up: the flush call left the pipeline empty
+            # the warm-up's last flush call left the pipeline empty; the cool-down starts from
+            # a drained one (the in-flight forwards are replayed by its first call)
+            self.drain()
         if self.plan is None:
             self._start(model, data_iterator, num_microbatches, seq_length, micro_batch_size,
                         decoder_seq_length)

@@ -76,6 +76,15 @@ def install(param, main, value: torch.Tensor) -> None:
             param.data.copy_(value)
 
 
+def optimizer_state(optimizer, main) -> dict:
+    """The optimizer's state of the tensor it steps for the tied weight ({} before a step)."""
+    for opt in list(getattr(optimizer, "chained_optimizers", None) or [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is not None and main in inner.state:
+            return inner.state[main]
+    return {}
+
+
 def grad_of(param) -> torch.Tensor:
     return param.main_grad if getattr(param, "main_grad", None) is not None else param.grad
 
@@ -94,6 +103,7 @@ class TiedEmbedding(StageFeature):
                  group, histogram: Counter, bound: Optional[int] = None):
         self.weight = shared_weight(model)
         self.main = main_param(optimizer, self.weight)
+        self.optimizer = optimizer
         self.is_owner = stage == 0
         self.accumulation = accumulation
         self.lag = tied_lag(num_stages, accumulation)
@@ -220,8 +230,8 @@ class TiedEmbedding(StageFeature):
                 self.weight.data.copy_(lagging)
 
     def on_drain(self, ctx: StageContext) -> None:
-        """Both copies equal again: the last stage installs stage 0's newest weight; every
-        message of this stream is delivered."""
+        """Both copies equal again: the last stage installs stage 0's newest weight and takes
+        its optimizer state of the tied weight; every message of this stream is delivered."""
         if not self.is_owner:
             latest = self.latest_for_eval()
             if latest is not None:
@@ -229,6 +239,37 @@ class TiedEmbedding(StageFeature):
                 self.installed = self.steps
             self.inbox.clear()
         self._wait_sends(self.steps)
+        self._share_optimizer_state()
+
+    def _share_optimizer_state(self) -> None:
+        """Under PACI the last stage's own moves of the tied weight are undone, so its optimizer
+        state of that weight (Adam's moments) never counts, and drifts from stage 0's. Stock
+        1F1B after a drain (a cool-down, a switch) steps both copies on the same gradient: they
+        stay equal only with equal states, as a checkpoint load would give (it stores stage
+        0's). Stage 0 sends its state's tensors, in the order of their names, once both sides
+        agree on their number (a stage that skipped its first steps has none yet)."""
+        state = optimizer_state(self.optimizer, self.main)
+        names = [name for name in sorted(state) if torch.is_tensor(state[name])]
+        count = torch.tensor([len(names)], dtype=torch.int64, device=self.main.device)
+        if self.is_owner:
+            torch.distributed.send(count, dst=self.peer, group=self.group)
+            torch.distributed.recv(count, src=self.peer, group=self.group)
+        else:
+            theirs = torch.empty_like(count)
+            torch.distributed.recv(theirs, src=self.peer, group=self.group)
+            count = torch.where(theirs == count, count, torch.zeros_like(count))
+            torch.distributed.send(count, dst=self.peer, group=self.group)
+        if int(count) != len(names):
+            return
+        for name in names:
+            value = state[name]
+            if self.is_owner:
+                torch.distributed.send(value.detach().contiguous(), dst=self.peer, group=self.group)
+            else:
+                buf = torch.empty_like(value)
+                torch.distributed.recv(buf, src=self.peer, group=self.group)
+                with torch.no_grad():
+                    value.copy_(buf)
 
 
 def tied_sha256(model, optimizer) -> Optional[str]:

@@ -133,7 +133,7 @@ def run_shape(name: str, flags: Sequence[str], nproc: int) -> tta.RunShape:
     return tta.RunShape(
         schedule=args.pipeline_schedule, num_stages=args.pipeline_model_parallel_size,
         microbatches=args.num_microbatches, accumulation=cfg.accumulation,
-        sync_iters=cfg.sync_iters,
+        sync_iters=cfg.sync_iters, cooldown_start=cfg.shape.cooldown_start,
         virtual_chunks=args.virtual_pipeline_model_parallel_size or 1)
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 from ..schedule import Schedule, plan_stream
-from ..shape import local_steps
+from ..shape import local_steps, stock_iterations
 from ..simulate import Costs, run_lockstep
 
 # A curve point: (x values, loss). The x values (samples, updates, seconds, ...) all grow with
@@ -59,13 +59,15 @@ class RunShape:
     microbatches: int
     accumulation: int
     sync_iters: int = 0
+    cooldown_start: Optional[int] = None  # --paci-cooldown-iters: stock 1F1B from here on
     virtual_chunks: int = 1
 
     def updates(self, iterations: float) -> float:
         """Optimizer steps per stage after ``iterations`` iterations."""
         if self.schedule != "paci":
             return iterations
-        return local_steps(iterations, self.microbatches, self.accumulation, self.sync_iters)
+        return local_steps(iterations, self.microbatches, self.accumulation, self.sync_iters,
+                           self.cooldown_start)
 
 
 def seconds_per_call(kind: str, num_stages: int, accumulation: int, per_call: int,
@@ -103,10 +105,11 @@ def seconds_per_iteration(shape: RunShape, costs: Costs) -> Tuple[float, float]:
 
 def projected_seconds(shape: RunShape, costs: Costs, iterations: float,
                       per_iteration: Optional[Tuple[float, float]] = None) -> float:
-    """Projected accelerator time of ``iterations`` iterations (the first ``sync_iters`` at
-    stock 1F1B's pace)."""
+    """Projected accelerator time of ``iterations`` iterations (the stock-1F1B warm-up and
+    cool-down iterations at stock 1F1B's pace)."""
     sync_s, main_s = per_iteration or seconds_per_iteration(shape, costs)
-    sync = min(iterations, shape.sync_iters) if shape.schedule == "paci" else 0
+    sync = stock_iterations(iterations, shape.sync_iters, shape.cooldown_start) \
+        if shape.schedule == "paci" else 0
     return sync * sync_s + (iterations - sync) * main_s
 
 
