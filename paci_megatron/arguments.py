@@ -12,6 +12,26 @@ from .flag import ConfigError, bounded_float, bounded_int, non_negative_float, p
     probability
 from .quiet import is_local_rank0
 
+# pretrain_gpt_paci.py's flags whose default differs from Megatron-LM 0.16.1's (same name,
+# same meaning), and why; docs/megatron-lm.md lists them, tests/test_megatron_lm.py keeps the
+# list true. Add the flag to either command line to match the other.
+MEGATRON_LM_DEFAULT_DIFFERENCES = {
+    "num_layers": "a tiny model runs with no flag (Megatron-LM requires it)",
+    "hidden_size": "the same", "num_attention_heads": "the same", "seq_length": "the same",
+    "micro_batch_size": "the same", "train_iters": "the same", "lr": "the same",
+    "split": "mock data and a text file train with no flag",
+    "hidden_dropout": "0: runs that must match bit for bit need no flag",
+    "attention_dropout": "the same",
+    "lr_decay_style": "cosine (the convergence studies'); Megatron-LM's is linear, and it "
+                      "refuses a checkpoint whose schedule differs from its flags",
+    "eval_iters": "short evaluations on CPU", "log_interval": "every iteration is logged",
+    "distributed_timeout_minutes": "a stalled stage stops the job sooner",
+    "distributed_backend": "nccl with CUDA, else gloo (Megatron-LM: nccl)",
+    "pipeline_model_parallel_size": "every rank not used by tensor parallelism is a stage",
+    "transformer_impl": "the local layers, the CPU path (Transformer Engine needs CUDA)",
+}
+
+
 class _Parser(argparse.ArgumentParser):
     """A usage error is printed once per node (local rank 0; every rank parses the same flags
     under torchrun), as one line: the usage text would list every flag."""

@@ -285,6 +285,34 @@ def test_paci_accumulation_factor_and_checkpoints(stock_run, tmp_path):
     assert drift(out) == {0: dict(max=1, bound=1, steps=8), 1: dict(max=0, bound=0, steps=8)}
 
 
+@needs_megatron_lm
+def test_the_listed_default_differences_with_megatron_lm_are_all_there_are():
+    """Every flag pretrain_gpt_paci.py shares with Megatron-LM has Megatron-LM's default, or is
+    in arguments.MEGATRON_LM_DEFAULT_DIFFERENCES (which docs/megatron-lm.md lists); run in a
+    subprocess (it imports Megatron-LM's training code)."""
+    code = textwrap.dedent(f"""
+        import argparse
+        from paci_megatron.arguments import MEGATRON_LM_DEFAULT_DIFFERENCES, build_parser
+        from paci_megatron.patches import megatron_lm
+        megatron_lm.prepare_import_path({MEGATRON_LM_PATH!r})
+        from megatron.training import arguments as mlm
+        parser = argparse.ArgumentParser(allow_abbrev=False)
+        for name in sorted(n for n in dir(mlm) if n.startswith("_add_") and n.endswith("_args")):
+            parser = getattr(mlm, name)(parser)
+        theirs = {{a.dest: a.default for a in parser._actions if a.option_strings}}
+        ours = {{a.dest: a.default for a in build_parser()._actions if a.option_strings}}
+        differ = sorted(d for d in set(ours) & set(theirs) if d != "help" and ours[d] != theirs[d])
+        print("DIFFER", differ, sorted(MEGATRON_LM_DEFAULT_DIFFERENCES))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": REPO})
+    line = next(l for l in out.stdout.splitlines() if l.startswith("DIFFER"))
+    differ, listed = eval(line[len("DIFFER "):].replace("] [", "], ["))
+    assert differ == listed
+    docs = open(os.path.join(REPO, "docs", "megatron-lm.md")).read()
+    assert all(f"`--{d.replace('_', '-')}`" in docs for d in listed)
+
+
 @pytest.mark.dist
 @needs_megatron_lm
 def test_warm_start_drain_before_eval_and_resume_through_the_drop_in(tmp_path):
