@@ -29,6 +29,7 @@ MEGATRON_LM_DEFAULT_DIFFERENCES = {
     "distributed_backend": "nccl with CUDA, else gloo (Megatron-LM: nccl)",
     "pipeline_model_parallel_size": "every rank not used by tensor parallelism is a stage",
     "transformer_impl": "the local layers, the CPU path (Transformer Engine needs CUDA)",
+    "make_vocab_size_divisible_by": "1: a tiny vocabulary is not padded to 128 rows",
 }
 
 
@@ -57,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vocab-size", type=positive("--vocab-size"), default=None,
                    help="mock data: token ids 0..N-1 (default 256); with --tokenizer-model: "
                         "taken from the model")
+    g.add_argument("--make-vocab-size-divisible-by",
+                   type=positive("--make-vocab-size-divisible-by"), default=1,
+                   help="pad the vocabulary to a multiple of this x TP (Megatron-LM's default "
+                        "is 128: give it to exchange checkpoints with Megatron-LM exactly)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--hidden-dropout", type=probability("--hidden-dropout"), default=0.0)

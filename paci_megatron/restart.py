@@ -27,6 +27,7 @@ RUN_FLAGS: Tuple[Tuple[str, str], ...] = (
     ("seq_length", "--seq-length"),
     ("max_position_embeddings", "--max-position-embeddings"),
     ("vocab_size", "--vocab-size"),
+    ("make_vocab_size_divisible_by", "--make-vocab-size-divisible-by"),
     ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
     ("normalization", "--normalization"),
 )
@@ -58,6 +59,7 @@ def describe_mismatch(saved: Optional[Mapping], current: Mapping) -> List[str]:
     (``describe_switch`` names it)."""
     if not saved:
         return []
+    saved, current = _normalized(saved), _normalized(current)
     out = []
     for attr, flag in RUN_FLAGS:
         if attr not in saved or attr not in current or saved[attr] == current[attr]:
@@ -67,6 +69,14 @@ def describe_mismatch(saved: Optional[Mapping], current: Mapping) -> List[str]:
             continue
         out.append(f"{flag}: checkpoint {saved[attr]}, this run {current[attr]}")
     return out
+
+
+def _normalized(run: Mapping) -> Dict:
+    """A run's fingerprint with defaults spelled out (no --ffn-hidden-size: 4 x hidden)."""
+    run = dict(run)
+    if run.get("ffn_hidden_size") is None and run.get("hidden_size"):
+        run["ffn_hidden_size"] = 4 * run["hidden_size"]
+    return run
 
 
 def describe_switch(saved: Optional[Mapping], current: Mapping) -> Optional[str]:

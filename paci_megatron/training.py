@@ -68,6 +68,7 @@ def _gpt_spec(args):
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
         vocab_size=args.vocab_size, ffn_hidden_size=args.ffn_hidden_size,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         max_position_embeddings=args.max_position_embeddings,
         untie_embeddings=args.untie_embeddings_and_output_weights,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
@@ -232,8 +233,11 @@ def _load(job: Job) -> None:
         return
     state = checkpoint.load_checkpoint(args.load, job.model, job.optimizer, job.lr_scheduler)
     job.iteration = state["iteration"]
-    job.consumed = int(state["extra"].get("consumed_samples",
-                                          job.iteration * args.global_batch_size))
+    job.consumed = int(state["extra"].get("consumed_samples")
+                       or job.iteration * args.global_batch_size)
+    if job.reporter and state["not_mapped"]:
+        log(f"> --load {args.load}: a Megatron-LM checkpoint; not taken from it: "
+            + "; ".join(state["not_mapped"]))
     if job.runtime is not None:  # weight versions count local steps since the start
         job.runtime.resume_at(job.iteration, _local_steps_before(job))
     if job.reporter:

@@ -6,6 +6,7 @@ They run 2 pipeline stages on CPU/gloo with mock data, for the stock ``1f1b`` sc
 for ``paci``. The unit tests at the top need no checkout.
 """
 
+import json
 import math
 import os
 import re
@@ -16,7 +17,7 @@ import types
 
 import pytest
 
-from launch import REPO, kill_tree, megatron_lm_args
+from launch import REPO, kill_tree, megatron_lm_args, run_torchrun
 
 from paci_megatron import run as paci_run
 from paci_megatron.patches import megatron_lm
@@ -494,3 +495,70 @@ def test_rampup_batch_size_drains_where_the_batch_grows(ramp_runs):
     # one local step per iteration (a follows M), drift within the bound
     assert drift(ramp_runs["paci"]) == {0: dict(max=1, bound=1, steps=12),
                                         1: dict(max=0, bound=0, steps=12)}
+
+
+# --- checkpoints both ways ------------------------------------------------------------------
+
+PACI_SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+              "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+              "--lr", "1e-3", "--vocab-size", "128", "--untie-embeddings-and-output-weights",
+              "--pipeline-model-parallel-size", "2", "--distributed-backend", "gloo",
+              "--log-interval", "1", "--make-vocab-size-divisible-by", "128"]
+PLAIN_TENSORS = textwrap.dedent("""
+    import json, os, sys, torch
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3])
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    from megatron.core import dist_checkpointing
+    a, b = (dist_checkpointing.load_plain_tensors(p) for p in sys.argv[1:3])
+    keys = sorted(k for k in a if torch.is_tensor(a[k]))
+    same = [k for k in keys if k in b and torch.equal(a[k], b[k])]
+    print("TENSORS " + json.dumps(dict(total=len(keys), same=len(same),
+                                        differ=[k for k in keys if k not in same][:5])))
+""")
+
+
+def _same_tensors(path_a, path_b, port):
+    out = subprocess.run([sys.executable, "-c", PLAIN_TENSORS, str(path_a), str(path_b), port],
+                         cwd=REPO, capture_output=True, text=True, timeout=180,
+                         env={**os.environ, "PYTHONPATH": REPO})
+    line = next(l for l in out.stdout.splitlines() if l.startswith("TENSORS "))
+    return json.loads(line[len("TENSORS "):])
+
+
+@pytest.mark.dist
+@needs_megatron_lm
+def test_a_megatron_lm_checkpoint_loads_and_trains_under_paci(tmp_path):
+    """Megatron-LM's own pretrain_gpt.py (stock 1F1B) writes a checkpoint at iteration 4;
+    pretrain_gpt_paci.py --pipeline-schedule paci loads it (saying what it cannot take: the RNG
+    states and fp16 scaler in Megatron-LM's layout) and saves it again: every model weight and
+    every optimizer moment is the same tensor, bit for bit; then PACI trains on from it."""
+    _ok(["--save", str(tmp_path / "mlm"), "--save-interval", "4"], tmp_path)
+    flags = PACI_SHAPE + ["--pipeline-schedule", "paci", "--lr-decay-style", "linear",
+                          "--load", str(tmp_path / "mlm")]
+    _, out, _ = run_torchrun("pretrain_gpt_paci.py", flags + [
+        "--train-iters", "4", "--save", str(tmp_path / "paci")], nproc=2, timeout=240)
+    assert "a Megatron-LM checkpoint; not taken from it: Megatron-LM's RNG states" in out
+    assert "loaded checkpoint from" in out and "at iteration 4 (32 samples consumed" in out
+    found = _same_tensors(tmp_path / "mlm" / "iter_0000004", tmp_path / "paci" / "iter_0000004",
+                          "29613")
+    assert found["total"] > 40 and found["same"] == found["total"], found  # weights, moments
+    _, out, _ = run_torchrun("pretrain_gpt_paci.py", flags + [
+        "--train-iters", "6", "--override-opt_param-scheduler"], nproc=2, timeout=240)
+    assert re.search(r"iteration\s+6/\s+6 \|", out)
+
+
+@pytest.mark.dist
+@needs_megatron_lm
+def test_a_paci_checkpoint_resumes_in_megatron_lms_pretrain_gpt(tmp_path):
+    """pretrain_gpt_paci.py --pipeline-schedule paci trains 4 iterations and saves (after its
+    drain); Megatron-LM's pretrain_gpt.py with stock 1F1B loads it and trains on. Megatron-LM
+    refuses a checkpoint whose LR schedule differs from its flags: ours defaults to cosine,
+    Megatron-LM to linear, so the flag is given (docs/megatron-lm.md lists such defaults)."""
+    run_torchrun("pretrain_gpt_paci.py", PACI_SHAPE + [
+        "--pipeline-schedule", "paci", "--train-iters", "4", "--lr-decay-style", "linear",
+        "--save", str(tmp_path / "paci")], nproc=2, timeout=240)
+    flags = list(MODEL_FLAGS) + ["--load", str(tmp_path / "paci"), "--override-opt_param-scheduler"]
+    flags[flags.index("--train-iters") + 1] = "6"
+    rc, out, err = run_pretrain_gpt(flags, tmp_path, model_flags=[])
+    assert rc == 0, out[-4000:] + err[-4000:]
+    assert [r["iteration"] for r in iterations(out)] == ["5", "6"], out[-3000:]

@@ -259,3 +259,18 @@ def test_save_clock_checks_about_ten_times_per_interval_whatever_the_iteration_t
         assert min(gaps) >= 600.0  # never early
         expected = now / 60.0 + 1  # ~10 checks per 600 s interval
         assert checks <= max(expected * 1.2, 1), (per_iteration, checks, expected)
+
+
+def test_a_megatron_lm_checkpoint_directory_is_complete_without_our_marker(tmp_path):
+    """Megatron-LM names an iteration in its tracker file once the checkpoint's common state is
+    written; it writes no paci_complete marker. Ours without the marker stays refused."""
+    from paci_megatron.mcore.checkpoint import CheckpointError, find_checkpoint
+
+    it = tmp_path / "mlm" / "iter_0000004"
+    it.mkdir(parents=True)
+    (tmp_path / "mlm" / "latest_checkpointed_iteration.txt").write_text("4")
+    (it / "metadata.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="incomplete or corrupt"):
+        find_checkpoint(str(tmp_path / "mlm"))
+    (it / "common.pt").write_bytes(b"")
+    assert find_checkpoint(str(tmp_path / "mlm")) == str(it)

@@ -76,6 +76,7 @@ class GPTSpec:
     recompute_num_layers: Optional[int] = None
     position_embedding_type: str = "learned_absolute"
     transformer_impl: str = "local"
+    make_vocab_size_divisible_by: int = 1  # Megatron-LM's flag (its default is 128)
 
 
 def _check_layer_split(spec: GPTSpec, pp: int, vpp: Optional[int]) -> None:
@@ -92,9 +93,11 @@ def _check_layer_split(spec: GPTSpec, pp: int, vpp: Optional[int]) -> None:
         )
 
 
-def _padded_vocab_size(vocab_size: int, tp: int) -> int:
-    """Round the vocabulary up to a multiple of the TP size (VocabParallelEmbedding needs it)."""
-    return ((vocab_size + tp - 1) // tp) * tp
+def _padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 1) -> int:
+    """Round the vocabulary up to a multiple of ``divisible_by`` x the TP size, as Megatron-LM
+    does (VocabParallelEmbedding needs the TP multiple)."""
+    multiple = divisible_by * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
 def make_transformer_config(spec: GPTSpec) -> TransformerConfig:
@@ -168,7 +171,7 @@ def build_gpt_model(
     config = make_transformer_config(spec)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    vocab = _padded_vocab_size(spec.vocab_size, tp)
+    vocab = _padded_vocab_size(spec.vocab_size, tp, spec.make_vocab_size_divisible_by)
     layer_spec = _layer_spec(spec)
 
     chunks: List[torch.nn.Module] = []

@@ -5,6 +5,10 @@ data position. It is written to ``iter_XXXXXXX.tmp`` and renamed when every rank
 then ``latest_checkpointed_iteration.txt`` is replaced atomically, so a job killed while saving
 leaves the previous checkpoint loadable. PACI drains before saving (a checkpoint cannot hold
 activations), so a resumed run continues exactly as one that drained at that iteration.
+
+Megatron-LM's own checkpoints (``pretrain_gpt.py --save``, the same torch_dist format) load
+too: model, optimizer, LR scheduler, iteration and consumed samples map; Megatron-LM's RNG
+states and its fp16 loss scaler (kept in its own layout) do not, and the load says so.
 """
 
 from __future__ import annotations
@@ -218,20 +222,55 @@ def find_checkpoint(root: str) -> Optional[str]:
     if not text.isdigit():
         raise CheckpointError(f"--load {root}: {LATEST} is corrupt ({text[:40]!r})")
     path = iteration_dir(root, int(text))
-    if not os.path.exists(os.path.join(path, COMPLETE)) or \
-            not os.path.exists(os.path.join(path, "metadata.json")):
+    complete = os.path.exists(os.path.join(path, COMPLETE)) or _is_megatron_lm(path)
+    if not complete or not os.path.exists(os.path.join(path, "metadata.json")):
         raise CheckpointError(f"--load {root}: checkpoint {path} is incomplete or corrupt "
                               "(a save was interrupted?); remove it or load an earlier one")
     return path
 
 
-def read_extra(path: str) -> Dict:
-    """The ``extra`` dict a checkpoint was saved with (no process group needed)."""
+def _is_megatron_lm(path: str) -> bool:
+    """Megatron-LM names the iteration in its tracker file only once the checkpoint's common
+    state is written: that file is its mark of completion (ours is ``COMPLETE``)."""
+    return not os.path.exists(os.path.join(path, COMPLETE)) \
+        and os.path.exists(os.path.join(path, "common.pt"))
+
+
+def _common(path: str) -> Dict:
     try:
-        common = dist_checkpointing.load_common_state_dict(path)
+        return dist_checkpointing.load_common_state_dict(path)
     except Exception as exc:  # torch_dist raises many kinds; the user needs the path
         raise CheckpointError(f"cannot read {path}: {type(exc).__name__}: {exc}") from exc
-    return dict(common.get("extra", {}))
+
+
+# what a Megatron-LM checkpoint records of the run that wrote it, under our fingerprint's names
+_MEGATRON_LM_RUN = ("pipeline_model_parallel_size", "tensor_model_parallel_size",
+                    "virtual_pipeline_model_parallel_size", "num_layers", "hidden_size",
+                    "num_attention_heads", "ffn_hidden_size", "seq_length",
+                    "max_position_embeddings", "untie_embeddings_and_output_weights",
+                    "normalization", "make_vocab_size_divisible_by")
+NOT_MAPPED = ("Megatron-LM's RNG states (its own layout: this run keeps its seeded ones)",
+              "Megatron-LM's fp16 loss scaler (one for all stages: each stage starts from "
+              "--initial-loss-scale)")
+
+
+def read_extra(path: str) -> Dict:
+    """The ``extra`` dict a checkpoint was saved with (no process group needed); for a
+    Megatron-LM checkpoint, the same fields from its saved arguments."""
+    common = _common(path)
+    if "extra" in common or "args" not in common:
+        return dict(common.get("extra", {}))
+    args = common["args"]
+    run = {key: getattr(args, key, None) for key in _MEGATRON_LM_RUN}
+    run["pipeline_schedule"] = getattr(args, "pipeline_schedule", "1f1b")
+    run["paci_accumulation_factor"] = getattr(args, "paci_accumulation_factor", None)
+    return {"consumed_samples": getattr(args, "consumed_train_samples", None),
+            "schedule": run["pipeline_schedule"], "run": run, "megatron_lm": True}
+
+
+def scheduler_state(common: Dict) -> Optional[Dict]:
+    """The LR scheduler's state: ours, or Megatron-LM's (saved as ``opt_param_scheduler``)."""
+    return common.get("lr_scheduler", common.get("opt_param_scheduler"))
 
 
 def weights_sha256(model: List[torch.nn.Module]) -> str:
@@ -261,6 +300,10 @@ def load_checkpoint(root: str, model, optimizer, lr_scheduler) -> Dict:
         raise CheckpointError(f"--load {root}: no checkpoint there")
     _give_distributed_optimizer_a_state(optimizer)
     template = _sharded_state(model, optimizer, is_loading=True)
+    megatron_lm = _is_megatron_lm(path)
+    if megatron_lm:  # its RNG states and loss scaler are in its own layout (NOT_MAPPED)
+        template.pop("rng_state")
+        template.pop("grad_scaler", None)
     try:
         common = dist_checkpointing.load_common_state_dict(path)
         loaded = dist_checkpointing.load(template, path)
@@ -273,7 +316,8 @@ def load_checkpoint(root: str, model, optimizer, lr_scheduler) -> Dict:
         optimizer.load_state_dict(loaded["optimizer"])
     if "grad_scaler" in loaded:
         _load_scaler_states(optimizer, loaded["grad_scaler"])  # this stage's own
-    lr_scheduler.load_state_dict(common["lr_scheduler"])
-    _set_rng_state(loaded["rng_state"])
-    return {"iteration": int(common["iteration"]), "extra": dict(common.get("extra", {})),
-            "path": path}
+    lr_scheduler.load_state_dict(scheduler_state(common))
+    if "rng_state" in loaded:
+        _set_rng_state(loaded["rng_state"])
+    return {"iteration": int(common["iteration"]), "extra": read_extra(path), "path": path,
+            "not_mapped": NOT_MAPPED if megatron_lm else ()}

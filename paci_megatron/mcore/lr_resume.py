@@ -49,7 +49,7 @@ def saved_scheduler_state(root: str) -> Optional[Dict]:
         return None
     if path is None:  # nothing saved yet: the run starts from scratch
         return None
-    return dist_checkpointing.load_common_state_dict(path).get("lr_scheduler")
+    return checkpoint.scheduler_state(dist_checkpointing.load_common_state_dict(path))
 
 
 def _shown(key: str, value, gbs: int) -> str:
