@@ -17,6 +17,8 @@ from typing import Dict, List, Mapping, Optional, Tuple
 RUN_FLAGS: Tuple[Tuple[str, str], ...] = (
     ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
     ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+    ("data_parallel_size", "data-parallel size (ranks / (TP x PP))"),
+    ("use_distributed_optimizer", "--use-distributed-optimizer"),
     ("virtual_pipeline_model_parallel_size", "--num-layers-per-virtual-pipeline-stage (chunks)"),
     ("pipeline_schedule", "--pipeline-schedule"),
     ("paci_accumulation_factor", "--paci-accumulation-factor"),
@@ -47,8 +49,10 @@ def run_fingerprint(args, cfg) -> Dict:
     return found
 
 
-# what a run may change on --load: a drained PACI checkpoint holds what a 1F1B one holds
+# what a run may change on --load: a drained PACI checkpoint holds what a 1F1B one holds, and
+# Megatron-Core's sharded checkpoints reshard the model and the optimizer over P, TP and DP
 SWITCHABLE = {"pipeline_schedule", "paci_accumulation_factor"}
+RESHARDABLE = ("pipeline_model_parallel_size", "tensor_model_parallel_size", "data_parallel_size")
 SWITCHABLE_SCHEDULES = {"1f1b", "paci"}
 
 
@@ -67,8 +71,66 @@ def describe_mismatch(saved: Optional[Mapping], current: Mapping) -> List[str]:
         if attr in SWITCHABLE and {saved["pipeline_schedule"], current["pipeline_schedule"]} \
                 <= SWITCHABLE_SCHEDULES:
             continue
-        out.append(f"{flag}: checkpoint {saved[attr]}, this run {current[attr]}")
-    return out
+        if attr == "make_vocab_size_divisible_by":
+            continue  # what matters is the padded vocabulary, compared below
+        hint = ""
+        if attr in RESHARDABLE:
+            if attr == "data_parallel_size" or not current.get("use_distributed_optimizer"):
+                continue
+            hint = (" (a distributed-optimizer checkpoint reshards over data parallelism only: "
+                    "keep its P and TP)")
+        out.append(f"{flag}: checkpoint {saved[attr]}, this run {current[attr]}{hint}")
+    return out + _vocab_mismatch(saved, current)
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 1) -> int:
+    """The embedding's rows: the vocabulary rounded up to a multiple of ``divisible_by`` x TP,
+    as Megatron-LM pads it (VocabParallelEmbedding needs the TP multiple)."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def _vocab_rows(run: Mapping) -> Optional[int]:
+    if not run.get("vocab_size"):
+        return None
+    return padded_vocab_size(run["vocab_size"], run.get("tensor_model_parallel_size") or 1,
+                             run.get("make_vocab_size_divisible_by") or 1)
+
+
+def _vocab_mismatch(saved: Mapping, current: Mapping) -> List[str]:
+    """A TP change (or another --make-vocab-size-divisible-by) may pad the embedding to other
+    rows than the checkpoint holds: refused, naming a divisor that keeps them."""
+    before, after = _vocab_rows(saved), _vocab_rows(current)
+    if before is None or after is None or before == after or \
+            saved.get("vocab_size") != current.get("vocab_size"):
+        return []
+    tp = current.get("tensor_model_parallel_size") or 1
+    fits = [d for d in (2 ** k for k in range(before.bit_length()))
+            if padded_vocab_size(current["vocab_size"], tp, d) == before]
+    fix = (f"--make-vocab-size-divisible-by {fits[-1]} keeps {before} rows at TP={tp}" if fits
+           else f"no --make-vocab-size-divisible-by gives {before} rows at TP={tp}: a checkpoint "
+                "meant for another TP is written with a divisor that covers it, e.g. 128")
+    return [f"--make-vocab-size-divisible-by: the checkpoint's embedding has {before} rows, "
+            f"this run pads the vocabulary to {after} ({fix})"]
+
+
+def layout_of(run: Mapping) -> Tuple:
+    """(P, TP, DP) of a fingerprint; None where a checkpoint did not record it."""
+    return tuple(run.get(attr) for attr in RESHARDABLE)
+
+
+def describe_reshard(saved: Optional[Mapping], current: Mapping) -> Optional[str]:
+    """The one line a load into another parallel layout prints; None for the same layout."""
+    if not saved:
+        return None
+    before, after = layout_of(saved), layout_of(current)
+    if all(b is None or b == a for b, a in zip(before, after)):
+        return None
+    show = lambda layout: " ".join(f"{n}={v if v is not None else '?'}"  # noqa: E731
+                                   for n, v in zip(("P", "TP", "DP"), layout))
+    return (f"resharding the checkpoint from {show(before)} to {show(after)} (Megatron-Core's "
+            "sharded checkpoint: model and optimizer state; the per-rank RNG states and fp16 "
+            "loss scalers of the old layout are not taken)")
 
 
 def _normalized(run: Mapping) -> Dict:

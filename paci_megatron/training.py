@@ -28,8 +28,8 @@ from .memory import LiveTensorMeter, SavedTensorMeter
 from .quiet import is_local_rank0, is_rank0
 from .config import PaciConfig
 from .registry import SCHEDULES_BY_NAME
-from .restart import (SaveClock, describe_mismatch, describe_switch, restart_count,
-                      run_fingerprint)
+from .restart import (SaveClock, describe_mismatch, describe_reshard, describe_switch,
+                      restart_count, run_fingerprint)
 
 
 @dataclass
@@ -112,14 +112,15 @@ def _check_checkpoint_matches(args, opts: PaciConfig) -> None:
         return
     saved, current = checkpoint.read_extra(path).get("run"), run_fingerprint(args, opts)
     problems = describe_mismatch(saved, current)
-    switch = describe_switch(saved, current)
-    if switch and not problems and is_rank0():
-        log(f"> --load {args.load}: {switch}")
+    for change in (describe_switch(saved, current), describe_reshard(saved, current)):
+        if change and not problems and is_rank0():
+            log(f"> --load {args.load}: {change}")
     if problems:
         raise ConfigError(
             f"--load {args.load}: checkpoint {path} was written by a different run: "
             f"{'; '.join(problems)}. Resume with the checkpoint's settings, or --save to a new "
-            "directory (resharding a checkpoint to another layout is not supported)")
+            "directory (a checkpoint reshards to another P, TP or DP, and switches between "
+            "1f1b and paci, but the model itself must stay the same)")
 
 
 def _check_lr_schedule_on_load(args) -> None:
@@ -236,7 +237,7 @@ def _load(job: Job) -> None:
     job.consumed = int(state["extra"].get("consumed_samples")
                        or job.iteration * args.global_batch_size)
     if job.reporter and state["not_mapped"]:
-        log(f"> --load {args.load}: a Megatron-LM checkpoint; not taken from it: "
+        log(f"> --load {args.load}: not taken from the checkpoint: "
             + "; ".join(state["not_mapped"]))
     if job.runtime is not None:  # weight versions count local steps since the start
         job.runtime.resume_at(job.iteration, _local_steps_before(job))

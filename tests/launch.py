@@ -139,3 +139,27 @@ def train_paci(flags: Sequence[str], metrics, nproc: int = 2, timeout: float = 3
     _, out, _ = run_torchrun("pretrain_gpt_paci.py", [*flags, "--metrics-file", str(metrics)],
                              nproc=nproc, timeout=timeout, env=env)
     return {"out": out, "summary": paci_summary(out), "records": read_metrics(metrics)}
+
+
+PLAIN_TENSORS = """
+import json, os, sys, torch
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3])
+torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+from megatron.core import dist_checkpointing
+a, b = (dist_checkpointing.load_plain_tensors(p) for p in sys.argv[1:3])
+keys = sorted(k for k in a if torch.is_tensor(a[k]))
+same = [k for k in keys if k in b and torch.equal(a[k], b[k])]
+print("TENSORS " + json.dumps(dict(total=len(keys), same=len(same),
+                                    differ=[k for k in keys if k not in same][:5])))
+"""
+
+
+def same_tensors(path_a, path_b, port: str) -> dict:
+    """Every tensor of checkpoint ``path_a`` (model weights and optimizer moments, read whole by
+    Megatron-Core whatever layout wrote it) compared with ``path_b``'s: total, same, differ."""
+    out = subprocess.run([sys.executable, "-c", PLAIN_TENSORS, str(path_a), str(path_b), port],
+                         cwd=REPO, capture_output=True, text=True, timeout=180,
+                         env={**os.environ, "PYTHONPATH": REPO})
+    line = next((l for l in out.stdout.splitlines() if l.startswith("TENSORS ")), None)
+    assert line, _tail(out.stdout + out.stderr)
+    return json.loads(line[len("TENSORS "):])

@@ -6,7 +6,6 @@ They run 2 pipeline stages on CPU/gloo with mock data, for the stock ``1f1b`` sc
 for ``paci``. The unit tests at the top need no checkout.
 """
 
-import json
 import math
 import os
 import re
@@ -17,7 +16,7 @@ import types
 
 import pytest
 
-from launch import REPO, kill_tree, megatron_lm_args, run_torchrun
+from launch import REPO, kill_tree, megatron_lm_args, run_torchrun, same_tensors
 
 from paci_megatron import run as paci_run
 from paci_megatron.patches import megatron_lm
@@ -504,27 +503,6 @@ PACI_SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads
               "--lr", "1e-3", "--vocab-size", "128", "--untie-embeddings-and-output-weights",
               "--pipeline-model-parallel-size", "2", "--distributed-backend", "gloo",
               "--log-interval", "1", "--make-vocab-size-divisible-by", "128"]
-PLAIN_TENSORS = textwrap.dedent("""
-    import json, os, sys, torch
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3])
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    from megatron.core import dist_checkpointing
-    a, b = (dist_checkpointing.load_plain_tensors(p) for p in sys.argv[1:3])
-    keys = sorted(k for k in a if torch.is_tensor(a[k]))
-    same = [k for k in keys if k in b and torch.equal(a[k], b[k])]
-    print("TENSORS " + json.dumps(dict(total=len(keys), same=len(same),
-                                        differ=[k for k in keys if k not in same][:5])))
-""")
-
-
-def _same_tensors(path_a, path_b, port):
-    out = subprocess.run([sys.executable, "-c", PLAIN_TENSORS, str(path_a), str(path_b), port],
-                         cwd=REPO, capture_output=True, text=True, timeout=180,
-                         env={**os.environ, "PYTHONPATH": REPO})
-    line = next(l for l in out.stdout.splitlines() if l.startswith("TENSORS "))
-    return json.loads(line[len("TENSORS "):])
-
-
 @pytest.mark.dist
 @needs_megatron_lm
 def test_a_megatron_lm_checkpoint_loads_and_trains_under_paci(tmp_path):
@@ -537,9 +515,9 @@ def test_a_megatron_lm_checkpoint_loads_and_trains_under_paci(tmp_path):
                           "--load", str(tmp_path / "mlm")]
     _, out, _ = run_torchrun("pretrain_gpt_paci.py", flags + [
         "--train-iters", "4", "--save", str(tmp_path / "paci")], nproc=2, timeout=240)
-    assert "a Megatron-LM checkpoint; not taken from it: Megatron-LM's RNG states" in out
+    assert "not taken from the checkpoint: Megatron-LM's RNG states" in out
     assert "loaded checkpoint from" in out and "at iteration 4 (32 samples consumed" in out
-    found = _same_tensors(tmp_path / "mlm" / "iter_0000004", tmp_path / "paci" / "iter_0000004",
+    found = same_tensors(tmp_path / "mlm" / "iter_0000004", tmp_path / "paci" / "iter_0000004",
                           "29613")
     assert found["total"] > 40 and found["same"] == found["total"], found  # weights, moments
     _, out, _ = run_torchrun("pretrain_gpt_paci.py", flags + [

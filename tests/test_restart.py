@@ -13,7 +13,8 @@ import pytest
 
 from launch import paci_summary, read_metrics, run_torchrun
 
-from paci_megatron.restart import (SaveClock, describe_mismatch, describe_switch,
+from paci_megatron.restart import (SaveClock, describe_mismatch, describe_reshard,
+                                   describe_switch, padded_vocab_size,
                                    run_fingerprint, trim_metrics)
 
 # P=4 under PACI, a=2 (two local steps per stage and iteration), dropout on: RNG state matters
@@ -209,9 +210,7 @@ def test_describe_mismatch_names_each_flag():
     assert describe_mismatch(saved, same) == []
     assert describe_mismatch(None, same) == []  # a checkpoint from before fingerprints
     other = dict(saved, pipeline_model_parallel_size=2, num_layers=8)
-    assert describe_mismatch(saved, other) == [
-        "--pipeline-model-parallel-size: checkpoint 4, this run 2",
-        "--num-layers: checkpoint 4, this run 8"]
+    assert describe_mismatch(saved, other) == ["--num-layers: checkpoint 4, this run 8"]
     # the schedule may switch between paci and 1f1b, and a may change: one line says so
     stock = dict(saved, pipeline_schedule="1f1b", paci_accumulation_factor=4)
     assert describe_mismatch(saved, stock) == []
@@ -227,6 +226,45 @@ def test_describe_mismatch_names_each_flag():
     assert describe_mismatch(saved, interleaved) == [
         "--num-layers-per-virtual-pipeline-stage (chunks): checkpoint None, this run 2",
         "--pipeline-schedule: checkpoint paci, this run interleaved"]
+
+
+def test_a_checkpoint_reshards_over_p_tp_and_dp_with_one_line():
+    from paci_megatron.arguments import parse_and_validate
+
+    saved = run_fingerprint(*parse_and_validate(P4, world_size=4))
+    assert describe_reshard(saved, saved) is None
+    assert describe_reshard(None, saved) is None
+    layouts = dict(pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
+                   data_parallel_size=2)
+    moved = dict(saved, **layouts)
+    assert describe_mismatch(saved, moved) == []
+    assert describe_reshard(saved, moved).startswith(
+        "resharding the checkpoint from P=4 TP=1 DP=1 to P=2 TP=2 DP=2 (")
+    # an older checkpoint that did not record DP: only what changed is claimed
+    assert "from P=4 TP=1 DP=? to P=2" in describe_reshard(
+        {k: v for k, v in saved.items() if k != "data_parallel_size"}, moved)
+    # the distributed optimizer's state reshards over DP, not over P or TP
+    dist = dict(saved, use_distributed_optimizer=True)
+    assert describe_mismatch(dist, dict(dist, data_parallel_size=2)) == []
+    assert describe_mismatch(dist, dict(dist, pipeline_model_parallel_size=2)) == [
+        "--pipeline-model-parallel-size: checkpoint 4, this run 2 (a distributed-optimizer "
+        "checkpoint reshards over data parallelism only: keep its P and TP)"]
+
+
+def test_a_tp_change_must_keep_the_padded_vocabulary():
+    run = dict(vocab_size=257, tensor_model_parallel_size=1, make_vocab_size_divisible_by=1,
+               pipeline_schedule="paci")
+    assert padded_vocab_size(257, 1, 1) == 257 and padded_vocab_size(257, 2, 64) == 384
+    assert describe_mismatch(run, dict(run, tensor_model_parallel_size=2)) == [
+        "--make-vocab-size-divisible-by: the checkpoint's embedding has 257 rows, this run pads "
+        "the vocabulary to 258 (no --make-vocab-size-divisible-by gives 257 rows at TP=2: a "
+        "checkpoint meant for another TP is written with a divisor that covers it, e.g. 128)"]
+    wide = dict(run, make_vocab_size_divisible_by=128)  # 384 rows
+    assert describe_mismatch(wide, dict(wide, tensor_model_parallel_size=2)) == [
+        "--make-vocab-size-divisible-by: the checkpoint's embedding has 384 rows, this run pads "
+        "the vocabulary to 512 (--make-vocab-size-divisible-by 64 keeps 384 rows at TP=2)"]
+    assert describe_mismatch(wide, dict(wide, tensor_model_parallel_size=2,
+                                        make_vocab_size_divisible_by=64)) == []
 
 
 def test_trim_metrics_keeps_each_iteration_once(tmp_path):

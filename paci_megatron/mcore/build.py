@@ -27,6 +27,8 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
+from ..restart import padded_vocab_size
+
 # re-exported: a run is built from this one module
 from .distributed import (_is_gloo, destroy_distributed, init_distributed, peak_device_memory_mb,
                           peak_rss_mb, set_random_seed, stage_info)
@@ -91,13 +93,6 @@ def _check_layer_split(spec: GPTSpec, pp: int, vpp: Optional[int]) -> None:
             f"--pipeline-model-parallel-size ({pp}) x "
             f"--virtual-pipeline-model-parallel-size ({vpp})"
         )
-
-
-def _padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 1) -> int:
-    """Round the vocabulary up to a multiple of ``divisible_by`` x the TP size, as Megatron-LM
-    does (VocabParallelEmbedding needs the TP multiple)."""
-    multiple = divisible_by * tp
-    return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
 def make_transformer_config(spec: GPTSpec) -> TransformerConfig:
@@ -171,7 +166,7 @@ def build_gpt_model(
     config = make_transformer_config(spec)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    vocab = _padded_vocab_size(spec.vocab_size, tp, spec.make_vocab_size_divisible_by)
+    vocab = padded_vocab_size(spec.vocab_size, tp, spec.make_vocab_size_divisible_by)
     layer_spec = _layer_spec(spec)
 
     chunks: List[torch.nn.Module] = []

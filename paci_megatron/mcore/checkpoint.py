@@ -24,7 +24,7 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-from ..restart import exit_with_parent
+from ..restart import exit_with_parent, layout_of
 
 LATEST = "latest_checkpointed_iteration.txt"
 COMPLETE = "paci_complete"
@@ -245,6 +245,7 @@ def _common(path: str) -> Dict:
 
 # what a Megatron-LM checkpoint records of the run that wrote it, under our fingerprint's names
 _MEGATRON_LM_RUN = ("pipeline_model_parallel_size", "tensor_model_parallel_size",
+                    "data_parallel_size", "use_distributed_optimizer",
                     "virtual_pipeline_model_parallel_size", "num_layers", "hidden_size",
                     "num_attention_heads", "ffn_hidden_size", "seq_length",
                     "max_position_embeddings", "untie_embeddings_and_output_weights",
@@ -252,6 +253,15 @@ _MEGATRON_LM_RUN = ("pipeline_model_parallel_size", "tensor_model_parallel_size"
 NOT_MAPPED = ("Megatron-LM's RNG states (its own layout: this run keeps its seeded ones)",
               "Megatron-LM's fp16 loss scaler (one for all stages: each stage starts from "
               "--initial-loss-scale)")
+NOT_RESHARDED = ("the per-rank RNG states of the old layout (this run keeps its seeded ones)",
+                 "the per-stage fp16 loss scalers of the old layout (each stage starts from "
+                 "--initial-loss-scale)")
+
+
+def _layout_now() -> tuple:
+    return (parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_data_parallel_world_size())
 
 
 def read_extra(path: str) -> Dict:
@@ -301,7 +311,10 @@ def load_checkpoint(root: str, model, optimizer, lr_scheduler) -> Dict:
     _give_distributed_optimizer_a_state(optimizer)
     template = _sharded_state(model, optimizer, is_loading=True)
     megatron_lm = _is_megatron_lm(path)
-    if megatron_lm:  # its RNG states and loss scaler are in its own layout (NOT_MAPPED)
+    saved = layout_of(read_extra(path).get("run") or {})
+    resharded = any(s is not None and s != now for s, now in zip(saved, _layout_now()))
+    not_mapped = NOT_MAPPED if megatron_lm else NOT_RESHARDED if resharded else ()
+    if not_mapped:  # per-rank pieces: in Megatron-LM's own layout, or of another grid
         template.pop("rng_state")
         template.pop("grad_scaler", None)
     try:
@@ -320,4 +333,4 @@ def load_checkpoint(root: str, model, optimizer, lr_scheduler) -> Dict:
     if "rng_state" in loaded:
         _set_rng_state(loaded["rng_state"])
     return {"iteration": int(common["iteration"]), "extra": read_extra(path), "path": path,
-            "not_mapped": NOT_MAPPED if megatron_lm else ()}
+            "not_mapped": not_mapped}
