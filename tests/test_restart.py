@@ -124,8 +124,8 @@ def _args(flags, world_size):
 
 @pytest.mark.dist
 @pytest.mark.parametrize("change,world,message", [
-    (["--pipeline-model-parallel-size", "2"], 2,
-     "--pipeline-model-parallel-size: checkpoint 4, this run 2"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "8"], 2,
+     "--num-layers: checkpoint 4, this run 8"),
     (["--hidden-size", "64"], 4, "--hidden-size: checkpoint 32, this run 64"),
 ])
 def test_checkpoint_of_another_run_is_refused_naming_what_differs(uninterrupted, change, world,
@@ -142,7 +142,7 @@ def test_checkpoint_of_another_run_is_refused_naming_what_differs(uninterrupted,
 
 
 @pytest.mark.dist
-def test_a_checkpoint_may_switch_the_schedule_or_a_with_one_line(uninterrupted, capsys):
+def test_a_checkpoint_may_switch_the_schedule_a_or_layout_with_one_line(uninterrupted, capsys):
     from paci_megatron.training import preflight
 
     ckpt = uninterrupted[3]
@@ -150,7 +150,9 @@ def test_a_checkpoint_may_switch_the_schedule_or_a_with_one_line(uninterrupted, 
     preflight(*_args(P4[:at] + P4[at + 2:] + ["--pipeline-schedule", "1f1b", "--load",
                                               str(ckpt)], 4))
     preflight(*_args(P4 + ["--paci-accumulation-factor", "4", "--load", str(ckpt)], 4))
+    preflight(*_args(P4 + ["--pipeline-model-parallel-size", "2", "--load", str(ckpt)], 2))
     out = capsys.readouterr().out
+    assert "resharding the checkpoint from P=4 TP=1 DP=1 to P=2 TP=1 DP=1" in out
     assert "written with --pipeline-schedule paci (a=2), this run continues with " \
            "--pipeline-schedule 1f1b" in out
     assert "this run continues with --pipeline-schedule paci (a=4)" in out
@@ -158,13 +160,13 @@ def test_a_checkpoint_may_switch_the_schedule_or_a_with_one_line(uninterrupted, 
 
 @pytest.mark.dist
 @pytest.mark.slow  # the check itself is tested above, in process
-def test_checkpoint_of_another_pipeline_size_stops_the_entry_point(uninterrupted):
+def test_checkpoint_of_another_model_stops_the_entry_point(uninterrupted):
     code, out, err = run_torchrun(
-        "pretrain_gpt_paci.py", P4 + ["--pipeline-model-parallel-size", "2",
+        "pretrain_gpt_paci.py", P4 + ["--pipeline-model-parallel-size", "2", "--num-layers", "8",
                                       "--load", str(uninterrupted[3])],
         nproc=2, timeout=180, check=False)
     assert code != 0
-    assert "--pipeline-model-parallel-size: checkpoint 4, this run 2" in err
+    assert "--num-layers: checkpoint 4, this run 8" in err
     assert " iteration " not in out and "[paci] rank" not in out  # stopped before training
 
 
