@@ -147,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "a missing or empty one starts from scratch, as in Megatron-LM, so "
                         "--save DIR --load DIR works from the first launch and after restarts")
     g.add_argument("--save-interval", type=positive("--save-interval"), default=None)
+    g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
+                   help="with --use-distributed-optimizer: write its state per parameter, "
+                        "gathered on data-parallel rank 0 over gloo (Megatron-LM's flag, with "
+                        "its memory-efficient gather), so the checkpoint also loads into another "
+                        "P or TP; the default format reshards over data parallelism only")
     g.add_argument("--save-interval-minutes", type=bounded_float(
         "--save-interval-minutes", low_open=True), default=None,
         help="also save when this much wall-clock time has passed since the last save (bounds "

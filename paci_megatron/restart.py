@@ -19,6 +19,7 @@ RUN_FLAGS: Tuple[Tuple[str, str], ...] = (
     ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
     ("data_parallel_size", "data-parallel size (ranks / (TP x PP))"),
     ("use_distributed_optimizer", "--use-distributed-optimizer"),
+    ("dist_ckpt_optim_fully_reshardable", "--dist-ckpt-optim-fully-reshardable"),
     ("virtual_pipeline_model_parallel_size", "--num-layers-per-virtual-pipeline-stage (chunks)"),
     ("pipeline_schedule", "--pipeline-schedule"),
     ("paci_accumulation_factor", "--paci-accumulation-factor"),
@@ -71,14 +72,16 @@ def describe_mismatch(saved: Optional[Mapping], current: Mapping) -> List[str]:
         if attr in SWITCHABLE and {saved["pipeline_schedule"], current["pipeline_schedule"]} \
                 <= SWITCHABLE_SCHEDULES:
             continue
-        if attr == "make_vocab_size_divisible_by":
-            continue  # what matters is the padded vocabulary, compared below
+        if attr in ("make_vocab_size_divisible_by", "dist_ckpt_optim_fully_reshardable"):
+            continue  # what matters: the padded vocabulary (below), the saved format (here)
         hint = ""
         if attr in RESHARDABLE:
-            if attr == "data_parallel_size" or not current.get("use_distributed_optimizer"):
+            if attr == "data_parallel_size" or not current.get("use_distributed_optimizer") \
+                    or saved.get("dist_ckpt_optim_fully_reshardable"):
                 continue
-            hint = (" (a distributed-optimizer checkpoint reshards over data parallelism only: "
-                    "keep its P and TP)")
+            hint = (" (this distributed-optimizer checkpoint reshards over data parallelism "
+                    "only: keep its P and TP, or write it with "
+                    "--dist-ckpt-optim-fully-reshardable)")
         out.append(f"{flag}: checkpoint {saved[attr]}, this run {current[attr]}{hint}")
     return out + _vocab_mismatch(saved, current)
 

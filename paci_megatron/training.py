@@ -345,7 +345,8 @@ def save(job: Job) -> None:
     path = checkpoint.save_checkpoint(
         job.args.save, job.iteration, job.model, job.optimizer, job.lr_scheduler,
         extra={"consumed_samples": job.consumed, "schedule": job.args.pipeline_schedule,
-               "run": run_fingerprint(job.args, job.opts)})
+               "run": run_fingerprint(job.args, job.opts)},
+        fully_reshardable=job.args.dist_ckpt_optim_fully_reshardable)
     if job.save_clock is not None:
         job.save_clock.saved(time.perf_counter())
     if job.reporter:

@@ -397,6 +397,30 @@ def patch_fused_cpu_adam():
     return True
 
 
+def patch_reshardable_adam_step():
+    """distrib_optimizer.py: loading the fully reshardable format copies every key of torch
+    Adam's per-parameter state from the checkpoint, but the checkpoint keeps 'step' per group
+    (restored just before): KeyError 'step'. Without TE/Apex (always on CPU) keep the state's
+    own step."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    fn = DistributedOptimizer.__dict__["_set_main_param_and_optimizer_states"]
+    if getattr(fn, "_paci_step_kept", False):
+        return False
+
+    @functools.wraps(fn)
+    def keep_step(self, model_param, tensors):
+        group, order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state.get(self.optimizer.param_groups[group]["params"][order], {})
+        if "step" in state and "step" not in tensors:
+            tensors = {**tensors, "step": state["step"].clone()}
+        return fn(self, model_param, tensors)
+
+    keep_step._paci_step_kept = True
+    DistributedOptimizer._set_main_param_and_optimizer_states = keep_step
+    return True
+
+
 # Registry, in application order: name -> function. Each returns True if it changed something.
 CPU_PATCHES: Dict[str, Callable[[], bool]] = {
     "p2p_communication": patch_p2p_communication,
@@ -412,6 +436,7 @@ CPU_PATCHES: Dict[str, Callable[[], bool]] = {
     "grad_scaler": patch_grad_scaler,
     "dist_checkpointing": patch_dist_checkpointing,
     "fused_cpu_adam": patch_fused_cpu_adam,
+    "reshardable_adam_step": patch_reshardable_adam_step,
 }
 
 _APPLIED: List[str] = []

@@ -78,3 +78,23 @@ def test_tensor_and_data_parallel_layouts_keep_every_tensor(source, resumed):
     # in another order
     on = _resume(source, "tp2dp2_on", _layout(1, tp=2), 4, 5)
     assert _loss(on, 5) == pytest.approx(_loss(resumed, 5), rel=1e-5)
+
+
+def test_a_fully_reshardable_distributed_optimizer_checkpoint_moves_to_any_layout(tmp_path):
+    """--dist-ckpt-optim-fully-reshardable writes the distributed optimizer's state per
+    parameter: PACI at P=2 (untied: the distributed optimizer with tied embeddings needs P=1)
+    loads at P=1 TP=2 DP=2 and saves again with every weight, fp32 main copy and moment the
+    same. The default format would be refused before any process group (test_restart)."""
+    flags = FLAGS + ["--untie-embeddings-and-output-weights", "--use-distributed-optimizer",
+                     "--dist-ckpt-optim-fully-reshardable"]
+    train_paci(flags + _layout(2) + ["--pipeline-schedule", "paci", "--train-iters", "8",
+                                     "--exit-interval", "4", "--save", str(tmp_path / "p2")],
+               tmp_path / "p2.jsonl", timeout=240)
+    moved = train_paci(flags + _layout(1, tp=2) + STOCK + [
+        "--train-iters", "4", "--use-checkpoint-opt_param-scheduler", "--load",
+        str(tmp_path / "p2"), "--save", str(tmp_path / "moved")], tmp_path / "moved.jsonl",
+        nproc=4, timeout=300)
+    assert "from P=2 TP=1 DP=1 to P=1 TP=2 DP=2" in moved["out"]
+    found = same_tensors(tmp_path / "p2" / "iter_0000004", tmp_path / "moved" / "iter_0000004",
+                         "29633")
+    assert found["total"] > 60 and found["same"] == found["total"], found

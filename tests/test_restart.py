@@ -249,8 +249,12 @@ def test_a_checkpoint_reshards_over_p_tp_and_dp_with_one_line():
     dist = dict(saved, use_distributed_optimizer=True)
     assert describe_mismatch(dist, dict(dist, data_parallel_size=2)) == []
     assert describe_mismatch(dist, dict(dist, pipeline_model_parallel_size=2)) == [
-        "--pipeline-model-parallel-size: checkpoint 4, this run 2 (a distributed-optimizer "
-        "checkpoint reshards over data parallelism only: keep its P and TP)"]
+        "--pipeline-model-parallel-size: checkpoint 4, this run 2 (this distributed-optimizer "
+        "checkpoint reshards over data parallelism only: keep its P and TP, or write it with "
+        "--dist-ckpt-optim-fully-reshardable)"]
+    anywhere = dict(dist, dist_ckpt_optim_fully_reshardable=True)
+    assert describe_mismatch(anywhere, dict(dist, pipeline_model_parallel_size=2,
+                                            tensor_model_parallel_size=2)) == []
 
 
 def test_a_tp_change_must_keep_the_padded_vocabulary():

@@ -72,15 +72,24 @@ def _model_sharded(model: List[torch.nn.Module]) -> Dict:
             for key, chunk in zip(_model_keys(model), model)}
 
 
-def _sharded_state(model, optimizer, is_loading: bool) -> Dict:
+def optimizer_format(optimizer, fully_reshardable: bool = False) -> Optional[Dict]:
+    """How the distributed optimizer's state is written (Megatron-LM's content metadata): its
+    default, per data-parallel group shards, reshards over DP only; the fully reshardable one
+    (per parameter, gathered on DP rank 0 over gloo, as Megatron-LM's memory-efficient
+    variant) over P and TP too. None for other optimizers."""
+    if not getattr(optimizer.config, "use_distributed_optimizer", False):
+        return None
+    if fully_reshardable:
+        return {"distrib_optim_sharding_type": "fully_reshardable",
+                "distrib_optim_fully_reshardable_mem_efficient": True}
+    return {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def _sharded_state(model, optimizer, is_loading: bool, metadata: Optional[Dict]) -> Dict:
     state = _model_sharded(model)
     merged = {}
     for part in state.values():
         merged.update(part)
-    # the distributed optimizer's default format (flattened ranges) can no longer be written;
-    # Megatron-LM's default since then is per-data-parallel-group shards
-    metadata = ({"distrib_optim_sharding_type": "dp_reshardable"}
-                if getattr(optimizer.config, "use_distributed_optimizer", False) else None)
     state["optimizer"] = optimizer.sharded_state_dict(merged, is_loading=is_loading,
                                                       metadata=metadata)
     state["rng_state"] = _rng_sharded(None if is_loading else _rng_state())
@@ -168,7 +177,7 @@ def writer_queue_dies_with_this_process() -> None:
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, lr_scheduler,
-                    extra: Optional[Dict] = None) -> str:
+                    extra: Optional[Dict] = None, fully_reshardable: bool = False) -> str:
     final = iteration_dir(root, iteration)
     tmp = final + ".tmp"
     rank0 = torch.distributed.get_rank() == 0
@@ -177,12 +186,13 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, lr_scheduler,
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
-    state = _sharded_state(model, optimizer, is_loading=False)
+    metadata = optimizer_format(optimizer, fully_reshardable)
+    state = _sharded_state(model, optimizer, is_loading=False, metadata=metadata)
     state["lr_scheduler"] = lr_scheduler.state_dict()
     state["iteration"] = iteration
     state["extra"] = dict(extra or {})
     writer_queue_dies_with_this_process()
-    dist_checkpointing.save(state, tmp)
+    dist_checkpointing.save(state, tmp, content_metadata=metadata)
     _barrier()
     if rank0:
         open(os.path.join(tmp, COMPLETE), "w").close()
@@ -246,6 +256,7 @@ def _common(path: str) -> Dict:
 # what a Megatron-LM checkpoint records of the run that wrote it, under our fingerprint's names
 _MEGATRON_LM_RUN = ("pipeline_model_parallel_size", "tensor_model_parallel_size",
                     "data_parallel_size", "use_distributed_optimizer",
+                    "dist_ckpt_optim_fully_reshardable",
                     "virtual_pipeline_model_parallel_size", "num_layers", "hidden_size",
                     "num_attention_heads", "ffn_hidden_size", "seq_length",
                     "max_position_embeddings", "untie_embeddings_and_output_weights",
@@ -309,7 +320,10 @@ def load_checkpoint(root: str, model, optimizer, lr_scheduler) -> Dict:
     if path is None:
         raise CheckpointError(f"--load {root}: no checkpoint there")
     _give_distributed_optimizer_a_state(optimizer)
-    template = _sharded_state(model, optimizer, is_loading=True)
+    written = dist_checkpointing.load_content_metadata(path) if optimizer_format(optimizer) \
+        else None  # the format the checkpoint was written in, Megatron-LM's or ours
+    template = _sharded_state(model, optimizer, is_loading=True,
+                              metadata=written or optimizer_format(optimizer))
     megatron_lm = _is_megatron_lm(path)
     saved = layout_of(read_extra(path).get("run") or {})
     resharded = any(s is not None and s != now for s, now in zip(saved, _layout_now()))

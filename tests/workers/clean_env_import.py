@@ -13,7 +13,6 @@ leaves NAME out of the extra (to see that it is needed). Prints ``IMPORTED`` or 
 """
 
 import argparse
-import ast
 import importlib
 import importlib.metadata as md
 import os
@@ -31,13 +30,19 @@ def _norm(name: str) -> str:
 
 
 def setup_requirements(extra: str):
-    """install_requires + extras_require[extra] of this repository's setup.py (read, not run)."""
-    tree = ast.parse(open(os.path.join(REPO, "setup.py")).read())
-    call = next(node for node in ast.walk(tree)
-                if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setup")
-    kwargs = {kw.arg: kw.value for kw in call.keywords}
-    return (list(ast.literal_eval(kwargs["install_requires"]))
-            + list(ast.literal_eval(kwargs["extras_require"])[extra]))
+    """install_requires + extras_require[extra] of this repository's setup.py (run with
+    setuptools.setup replaced by a recorder: the ranges are computed, not literals)."""
+    import runpy
+
+    import setuptools
+
+    recorded, real = {}, setuptools.setup
+    setuptools.setup = lambda **kwargs: recorded.update(kwargs)
+    try:
+        runpy.run_path(os.path.join(REPO, "setup.py"))
+    finally:
+        setuptools.setup = real
+    return list(recorded["install_requires"]) + list(recorded["extras_require"][extra])
 
 
 def closure(requirements):
