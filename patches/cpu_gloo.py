@@ -397,11 +397,16 @@ def patch_fused_cpu_adam():
     return True
 
 
-def patch_reshardable_adam_step():
-    """distrib_optimizer.py: loading the fully reshardable format copies every key of torch
-    Adam's per-parameter state from the checkpoint, but the checkpoint keeps 'step' per group
-    (restored just before): KeyError 'step'. Without TE/Apex (always on CPU) keep the state's
-    own step."""
+def patch_adam_step_on_load():
+    """distrib_optimizer.py: without TE/Apex (always on CPU) torch's Adam keeps 'step' per
+    parameter, Megatron-Core's checkpoint per group, and its load restores the group's step
+    first. Then the parameter-state load copies every per-parameter key from the checkpoint's
+    buckets: the fully reshardable format has no 'step' (KeyError), and the default one
+    carries the step of the placeholder state the load template was built from (1), which
+    resets Adam's bias correction; and the restored step is one tensor shared by every
+    parameter, which fused Adam's in-place increment advances once per parameter. A resume
+    differed from the uninterrupted run in the 4th digit. Keep the restored step, one copy
+    per parameter."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     fn = DistributedOptimizer.__dict__["_set_main_param_and_optimizer_states"]
@@ -412,8 +417,9 @@ def patch_reshardable_adam_step():
     def keep_step(self, model_param, tensors):
         group, order = self.model_param_group_index_map[model_param]
         state = self.optimizer.state.get(self.optimizer.param_groups[group]["params"][order], {})
-        if "step" in state and "step" not in tensors:
-            tensors = {**tensors, "step": state["step"].clone()}
+        if "step" in state:
+            state["step"] = state["step"].clone()
+            tensors = {**tensors, "step": state["step"]}
         return fn(self, model_param, tensors)
 
     keep_step._paci_step_kept = True
@@ -436,7 +442,7 @@ CPU_PATCHES: Dict[str, Callable[[], bool]] = {
     "grad_scaler": patch_grad_scaler,
     "dist_checkpointing": patch_dist_checkpointing,
     "fused_cpu_adam": patch_fused_cpu_adam,
-    "reshardable_adam_step": patch_reshardable_adam_step,
+    "adam_step_on_load": patch_adam_step_on_load,
 }
 
 _APPLIED: List[str] = []

@@ -183,10 +183,6 @@ def test_a_local_step_is_followed_by_a_forward_not_a_backward(kind):
 
 
 @pytest.mark.dist
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="known open issue: saving and loading work, but the "
-                   "losses after the resume differ from the uninterrupted run's from the first "
-                   "iteration after the load (iteration 4: 5.414585 vs 5.414639)")
 def test_resume_with_the_distributed_optimizer_and_overlaps_is_exact(tmp_path):
     """DP=2, distributed optimizer, both overlaps: train 3 of 6, save (a drain, which completes
     the parameter all-gather), stop, load, train to 6 == train 6 saving at 3."""
