@@ -165,16 +165,14 @@ def test_pretrain_gpt_paci_fp16_with_per_token_loss(tmp_path):
     assert [row["max"] for row in summary["drift"]] == [1, 0]
 
 
-@pytest.mark.slow
 @pytest.mark.dist
-@pytest.mark.xfail(strict=True, reason="known gap: with per-stage scalers restored the first "
-                   "iteration after --load matches, later ones still differ slightly "
-                   "(stage-local skips vs state Megatron keeps in rank 0's common state)")
 def test_fp16_save_and_resume_equals_an_uninterrupted_run(tmp_path):
-    """Each stage's own loss scaler comes back from the checkpoint (Megatron keeps one, global
-    rank 0's, in the common state): train to 8 saving at 4 == train to 4, save, load, go on."""
+    """Each stage's own loss scaler, Adam step count and LR schedule come back from the
+    checkpoint (Megatron keeps one of each, global rank 0's, in the common state; under PACI
+    the stages skip different steps, and a skipped step advances none of them): train to 8
+    saving at 4 == train to 4, save, load, go on, bit for bit."""
     flags = ["--pipeline-schedule", "paci", "--untie-embeddings-and-output-weights",
-             "--train-iters", "8", "--fp16", "--initial-loss-scale", "1048576",
+             "--train-iters", "8", "--fp16", "--initial-loss-scale", "65536",
              "--loss-scale-window", "2", "--hysteresis", "1", "--paci-accumulation-factor", "4"]
     runs = [["--save", str(tmp_path / "whole"), "--save-interval", "4"],
             ["--save", str(tmp_path / "part"), "--exit-interval", "4"],
@@ -183,8 +181,8 @@ def test_fp16_save_and_resume_equals_an_uninterrupted_run(tmp_path):
                                                   nproc=2, timeout=400)[1]) for extra in runs)
     assert first["losses"] + second["losses"] == whole["losses"]
     assert second["weights_sha256"] == whole["weights_sha256"]
-    skipped = [[row["skipped_steps"] for row in run["drift"]] for run in (whole, first, second)]
-    assert skipped[0][0] != skipped[0][1]  # the stages' scalers differ by then
+    skipped = [[row["skipped_steps"] for row in run["drift"]] for run in (whole, first)]
+    assert skipped[1][0] != skipped[1][1]  # the stages' scalers differ at the save
 
 
 class _Buffer:

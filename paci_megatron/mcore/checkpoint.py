@@ -85,7 +85,8 @@ def optimizer_format(optimizer, fully_reshardable: bool = False) -> Optional[Dic
     return {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
-def _sharded_state(model, optimizer, is_loading: bool, metadata: Optional[Dict]) -> Dict:
+def _sharded_state(model, optimizer, is_loading: bool, metadata: Optional[Dict],
+                   lr_scheduler=None) -> Dict:
     state = _model_sharded(model)
     merged = {}
     for part in state.values():
@@ -94,7 +95,8 @@ def _sharded_state(model, optimizer, is_loading: bool, metadata: Optional[Dict])
                                                       metadata=metadata)
     state["rng_state"] = _rng_sharded(None if is_loading else _rng_state())
     if _grad_scalers(optimizer):
-        state["grad_scaler"] = _scaler_sharded(None if is_loading else _scaler_states(optimizer))
+        state["grad_scaler"] = _scaler_sharded(
+            None if is_loading else _scaler_states(optimizer, lr_scheduler))
     return state
 
 
@@ -105,12 +107,14 @@ def _grad_scalers(optimizer) -> list:
     return [sc for sc in scalers if sc is not None and sc.state_dict()]
 
 
-def _scaler_states(optimizer) -> list:
-    """Per sub-optimizer: its scaler and its Adam step count (both in Megatron's common
-    state; under PACI a stage that skipped other steps than global rank 0 has other values)."""
+def _scaler_states(optimizer, lr_scheduler) -> list:
+    """Per sub-optimizer: its scaler, its Adam step count and the stage's LR scheduler (all in
+    Megatron's common state; under PACI a stage that skipped other steps than global rank 0
+    has other values: a skipped step advances neither the count nor the LR)."""
     subs = getattr(optimizer, "chained_optimizers", None) or [optimizer]
     return [dict(scale=float(sc.scale), growth=sc._growth_tracker,
-                 hysteresis=sc._hysteresis_tracker, step=_adam_step(opt))
+                 hysteresis=sc._hysteresis_tracker, step=_adam_step(opt),
+                 lr_scheduler=lr_scheduler.state_dict())
             for opt, sc in zip(subs, (getattr(o, "grad_scaler", None) for o in subs))
             if sc is not None and sc.state_dict()]
 
@@ -187,7 +191,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, lr_scheduler,
         os.makedirs(tmp)
     _barrier()
     metadata = optimizer_format(optimizer, fully_reshardable)
-    state = _sharded_state(model, optimizer, is_loading=False, metadata=metadata)
+    state = _sharded_state(model, optimizer, is_loading=False, metadata=metadata,
+                           lr_scheduler=lr_scheduler)
     state["lr_scheduler"] = lr_scheduler.state_dict()
     state["iteration"] = iteration
     state["extra"] = dict(extra or {})
@@ -341,9 +346,11 @@ def load_checkpoint(root: str, model, optimizer, lr_scheduler) -> Dict:
         _unwrap_ddp(chunk).load_state_dict(loaded[key])
     with torch.no_grad():  # the distributed optimizer copies into views of the parameters
         optimizer.load_state_dict(loaded["optimizer"])
-    if "grad_scaler" in loaded:
-        _load_scaler_states(optimizer, loaded["grad_scaler"])  # this stage's own
-    lr_scheduler.load_state_dict(scheduler_state(common))
+    own = loaded.get("grad_scaler") or []  # this stage's fp16 state
+    _load_scaler_states(optimizer, own)
+    # loaded once: Megatron's scheduler load advances from where it stands
+    lr_scheduler.load_state_dict(own[0]["lr_scheduler"] if own and "lr_scheduler" in own[0]
+                                 else scheduler_state(common))
     if "rng_state" in loaded:
         _set_rng_state(loaded["rng_state"])
     return {"iteration": int(common["iteration"]), "extra": read_extra(path), "path": path,
