@@ -540,3 +540,8 @@ def test_a_paci_checkpoint_resumes_in_megatron_lms_pretrain_gpt(tmp_path):
     rc, out, err = run_pretrain_gpt(flags, tmp_path, model_flags=[])
     assert rc == 0, out[-4000:] + err[-4000:]
     assert [r["iteration"] for r in iterations(out)] == ["5", "6"], out[-3000:]
+    # and evaluates it without training (Megatron-LM's --skip-train takes the model only)
+    rc, out, err = run_pretrain_gpt(flags + ["--skip-train", "--no-load-optim"], tmp_path,
+                                    model_flags=[])
+    assert rc == 0, out[-4000:] + err[-4000:]
+    assert iterations(out) == [] and re.search(r"validation loss at iteration 4 .*lm loss", out)

@@ -2,7 +2,8 @@
 (Megatron-Core's sharded checkpoints hold every tensor whole, by its global name). A PACI
 checkpoint of P=2 is the source; what is claimed is exact on CPU:
 - P=2 -> P=4: the next iteration (stock 1F1B on both sides, so the weights do not move within
-  it) gives the same loss and the same checkpoint, bit for bit, as the resume in P=2;
+  it) gives the same loss and the same checkpoint, bit for bit, as the resume in P=2; and
+  P=4 -> P=2 keeps every tensor;
 - P=2 -> P=1 TP=2 DP=2: loading and saving again keeps every weight and optimizer moment,
   and the next iteration's loss equals the P=2 resume's to float rounding.
 Dropout is off (the per-rank RNG states of the old layout are not taken) and so is clipping
@@ -65,6 +66,14 @@ def test_more_pipeline_stages_continue_bit_for_bit(source, resumed):
     assert _loss(wider, 5) == _loss(resumed, 5)
     found = same_tensors(source / "p4" / "iter_0000005", source / "p2_again" / "iter_0000005",
                          "29631")
+    assert found["total"] > 40 and found["same"] == found["total"], found
+    # and back: the P=4 checkpoint loaded and saved at P=2 keeps every tensor
+    back = train_paci(FLAGS + _layout(2) + STOCK + [
+        "--train-iters", "5", "--use-checkpoint-opt_param-scheduler", "--load",
+        str(source / "p4"), "--save", str(source / "back")], source / "back.jsonl", timeout=240)
+    assert "from P=4 TP=1 DP=1 to P=2 TP=1 DP=1" in back["out"]
+    found = same_tensors(source / "p4" / "iter_0000005", source / "back" / "iter_0000005",
+                         "29634")
     assert found["total"] > 40 and found["same"] == found["total"], found
 
 
