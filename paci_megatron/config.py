@@ -123,6 +123,7 @@ class PaciConfig:
     adapt_policy: str = "staleness"
     stale_grad_weight: float = 1.0
     stale_grad_correction: float = 0.0
+    weight_prediction: bool = False  # --paci-weight-prediction
 
     @property
     def accumulation(self) -> int:
@@ -177,7 +178,8 @@ def resolve(args, layout: Layout) -> PaciConfig:
         on_nonfinite=args.paci_on_nonfinite or "skip",
         drain_before_eval=bool(args.paci_drain_before_eval), **adapt,
         stale_grad_weight=_resolved(args.paci_stale_grad_weight, _default_weight()),
-        stale_grad_correction=_resolved(args.paci_stale_grad_correction, _default_strength()))
+        stale_grad_correction=_resolved(args.paci_stale_grad_correction, _default_strength()),
+        weight_prediction=bool(getattr(args, "paci_weight_prediction", False)))
     check_plans(cfg, layout)
     return cfg
 

@@ -445,6 +445,22 @@ class StreamPlan:
             return self.first[k]
         return shift_segment(self.steady, (k - len(self.first)) * self.per_call)
 
+    def steps_before_backward(self, call: int, stage: int, mb: int) -> int:
+        """What the lists say of micro-batch ``mb``, forwarded in call ``call``: the local
+        steps (T) ``stage`` takes before its backward (in this call or a later one)."""
+        steps, seen = 0, False
+        for k in range(call, call + self.num_stages + 2):
+            for act in self.call(k)[stage]:
+                if not seen:
+                    seen = act.op is Op.FORWARD and act.mb == mb
+                elif act.op is Op.BACKWARD and act.mb == mb:
+                    return steps
+                else:
+                    steps += act.op is Op.STEP
+            if not seen:
+                raise ValueError(f"call {call} of stage {stage} has no F{mb}")
+        raise ValueError(f"no B{mb} follows F{mb} on stage {stage}")
+
     def __str__(self) -> str:
         rows = [f"{self.kind} stream: P={self.num_stages} a={self.accumulation} "
                 f"N={self.per_call} per call{' tied' if self.tied else ''}"]

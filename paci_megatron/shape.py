@@ -24,6 +24,15 @@ def drift_bound(num_stages: int, stage: int, accumulation: int) -> int:
     return math.ceil((num_stages - 1 - stage) / accumulation)
 
 
+def steps_in_flight(num_stages: int, stage: int, accumulation: int, mb: int) -> int:
+    """The drift PACI's 1F1B order gives micro-batch ``mb`` of a stream at ``stage``: the
+    stage's steps between its forward and its backward. Those backwards are the P-1-s that
+    come after the forward (fewer in the warm-up), mb-(P-1-s) .. mb-1, each closing a group
+    or not."""
+    first = max(0, mb - (num_stages - 1 - stage))
+    return sum(closes_group(k, accumulation) for k in range(first, mb))
+
+
 def tied_lag(num_stages: int, accumulation: int) -> int:
     """Owner steps by which the last stage's copy of a tied weight trails stage 0's (its
     staleness bound): the smallest lag at which stage 0 has sent the weight before the last

@@ -1,5 +1,7 @@
-"""PACI's whole-stage peak memory is 1F1B's (CPU live-tensor meter), at P=4 with Adam."""
+"""PACI's whole-stage peak memory is 1F1B's (CPU live-tensor meter), at P=4 with Adam in
+bf16, with and without --paci-weight-prediction (no copy of the weights, chunked temporaries)."""
 
+import json
 
 import pytest
 
@@ -12,34 +14,43 @@ FLAGS = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "
          "--seq-length", "64", "--micro-batch-size", "4", "--global-batch-size", "32",
          "--vocab-size", "4000", "--train-iters", "3", "--log-interval", "3",
          "--untie-embeddings-and-output-weights", "--measure-memory",
-         "--measure-activation-memory"]
+         "--measure-activation-memory", "--bf16"]
+RUNS = {"1f1b": ["--pipeline-schedule", "1f1b"], "paci": ["--pipeline-schedule", "paci"],
+        "paci-predict": ["--pipeline-schedule", "paci", "--paci-weight-prediction"]}
 
 
 @pytest.fixture(scope="module")
 def peaks(tmp_path_factory):
     out = {}
-    for schedule in ("1f1b", "paci"):
-        metrics = tmp_path_factory.mktemp(schedule) / "metrics.jsonl"
-        run_torchrun("pretrain_gpt_paci.py", FLAGS + [
-            "--pipeline-schedule", schedule, "--metrics-file", str(metrics)], nproc=4,
-            timeout=300)
+    for run, flags in RUNS.items():
+        metrics = tmp_path_factory.mktemp(run) / "metrics.jsonl"
+        _rc, stdout, _err = run_torchrun("pretrain_gpt_paci.py", FLAGS + flags + [
+            "--metrics-file", str(metrics)], nproc=4, timeout=300)
         final = read_metrics(metrics)[-1]
         assert final["final"]
-        out[schedule] = final
+        out[run] = dict(final, log=stdout)
     return out
 
 
-def test_paci_peak_memory_per_stage_is_1f1b_s(peaks):
-    paci, stock = peaks["paci"]["peak_memory_mb"], peaks["1f1b"]["peak_memory_mb"]
+@pytest.mark.parametrize("run", ["paci", "paci-predict"])
+def test_paci_peak_memory_per_stage_is_1f1b_s(run, peaks):
+    paci, stock = peaks[run]["peak_memory_mb"], peaks["1f1b"]["peak_memory_mb"]
     assert len(paci) == len(stock) == 4
     for stage, (p, s) in enumerate(zip(paci, stock)):
         assert p <= 1.02 * s, (stage, p, s)
 
 
+def test_the_predicted_run_did_predict_on_the_stale_stages(peaks):
+    summary = json.loads(peaks["paci-predict"]["log"].split("PACI_SUMMARY ")[1].splitlines()[0])
+    predicted = [row["predicted_forwards"] for row in summary["drift"]]
+    assert all(predicted[:3]) and predicted[3] == {}
+
+
 def test_meter_counts_more_than_activations(peaks):
-    """Weights, gradients and Adam's state are counted: the first stage holds 4000 x 128 x 4
-    bytes x 4 (weight, gradient, two moments) of embedding alone, beside its activations."""
+    """Weights, gradients and Adam's state are counted: the first stage holds 4000 x 128 x 18
+    bytes (bf16 weight, fp32 gradient, main copy and two moments) of embedding alone, beside
+    its activations."""
     for final in peaks.values():
         whole, saved = final["peak_memory_mb"], final["peak_activation_mb"]
-        assert whole[0] - saved[0] >= 4000 * 128 * 4 * 4 / 2**20
+        assert whole[0] - saved[0] >= 4000 * 128 * 18 / 2**20
         assert all(w > a for w, a in zip(whole, saved))

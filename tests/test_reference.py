@@ -23,13 +23,14 @@ WORKER = "tests/workers/reference_cases.py"
 PP_ONLY = ["p2_a4", "p2_a2", "p2_bf16", "p2_distopt", "p2_drain_eval",
            "p4_a4", "p4_a1", "p4_bf16", "p4_recompute", "p4_eval_nodrain", "p4_drain_eval",
            "p4_auto", "p2_tied", "p2_tied_bf16", "p4_tied", "p4_stale", "p4_tied_stale",
-           "p4_correct", "p4_tied_correct"]
+           "p4_correct", "p4_tied_correct", "p4_bf16_predict", "p4_tied_bf16",
+           "p4_tied_bf16_predict"]
 # 2 emulator processes, 4 runtime ones
 PARALLEL = ["p2_dp2", "p2_dp2_distopt", "p2_tp2", "p2_dp2_tied", "p2_dp2_stale",
-            "p2_dp2_distopt_correct"]
+            "p2_dp2_distopt_correct", "p2_dp2_tied_bf16_predict"]
 # a loss scaler per stage; per-token loss
 PRECISION = ["p2_fp16", "p2_per_token", "p2_per_token_stale", "p2_fp16_correct",
-             "p2_tied_per_token_stale"]
+             "p2_tied_per_token_stale", "p2_fp16_predict"]
 RUNTIME_P2 = [c for c in PP_ONLY if c.startswith("p2")] + PRECISION
 RUNTIME_P4 = [c for c in PP_ONLY if c.startswith("p4")] + PARALLEL
 
@@ -134,7 +135,7 @@ def test_each_stage_clips_by_its_own_norm(case, results):
         assert all(n < global_norm for n in per_stage), step
 
 
-@pytest.mark.parametrize("case", ["p4_a1", "p4_bf16"])
+@pytest.mark.parametrize("case", ["p4_a1", "p4_bf16", "p4_bf16_predict"])
 def test_backward_uses_the_current_weights(case, results):
     """Module by module (BackwardAudit, no saved-tensor hooks): every gradient a backward
     produced equals the vector-Jacobian product at the forward-time input with the weights as
@@ -211,3 +212,43 @@ def test_stale_gradient_correction_changes_only_steps_with_drift(case, twin, res
     assert corrected[last]["steps"][0] == plain[last]["steps"][0]
     assert corrected[last]["histogram"] == plain[last]["histogram"] == {
         "0": len(corrected[last]["steps"]) * cfg["a"]}
+
+
+PREDICTED = {"p4_bf16_predict": "p4_bf16", "p4_tied_bf16_predict": "p4_tied_bf16",
+             "p2_dp2_tied_bf16_predict": None, "p2_fp16_predict": "p2_fp16"}
+
+
+@pytest.mark.parametrize("case", sorted(PREDICTED))
+def test_weight_prediction_moves_stale_forwards_and_restores_exactly(case, results):
+    """Every stage but the last runs its stale forwards (drift up to its bound) on predicted
+    weights; the emulator predicts the same forwards; after every forward each weight is again
+    the cast of its fp32 main copy, bit for bit."""
+    real, emulated = results(case, "runtime"), results(case, "emulator")
+    cfg = next(iter(real.values()))["config"]
+    for coord, row in real.items():
+        stage = int(coord[2:coord.index("tp")])
+        bound = math.ceil((cfg["pp"] - 1 - stage) / cfg["a"])
+        predicted = {int(k): v for k, v in row["predicted"].items()}
+        assert row["predicted"] == emulated[coord]["predicted"]
+        if stage == cfg["pp"] - 1:
+            assert predicted == {}
+        else:
+            assert predicted and max(predicted) == bound, (coord, predicted)
+        assert len(row["restores"]) >= cfg["calls"] * cfg["n"] and all(row["restores"])
+
+
+@pytest.mark.parametrize("case", [c for c, twin in sorted(PREDICTED.items()) if twin])
+def test_weight_prediction_departs_from_plain_paci_at_stale_stages_only(case, results):
+    """The twin is the same run without prediction. No stage has optimizer state to predict
+    from before its first step, so every first step is the twin's; stage 0 departs from the
+    first group with a predicted forward on. The last stage never moves its weights: it
+    departs only through its inputs."""
+    predicted, plain = results(case, "runtime"), results(PREDICTED[case], "runtime")
+    cfg = predicted["pp0tp0dp0"]["config"]
+    for coord, row in predicted.items():
+        assert row["steps"][0] == plain[coord]["steps"][0], coord
+    first, twin = predicted["pp0tp0dp0"]["steps"], plain["pp0tp0dp0"]["steps"]
+    k = next(i for i, (p, t) in enumerate(zip(first, twin)) if p["weights"] != t["weights"])
+    assert all(p["weights"] != t["weights"] for p, t in zip(first[k:], twin[k:]))
+    last = f"pp{cfg['pp'] - 1}tp0dp0"
+    assert predicted[last]["predicted"] == {} and predicted[last]["losses"] != plain[last]["losses"]

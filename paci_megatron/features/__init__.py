@@ -11,8 +11,9 @@ from typing import List
 from .base import StageContext, StageFeature
 from .stale_correction import StaleGradCorrection
 from .stale_weights import StaleGradWeights
+from .weight_prediction import WeightPrediction
 
-FEATURES = (StaleGradWeights, StaleGradCorrection)
+FEATURES = (StaleGradWeights, StaleGradCorrection, WeightPrediction)
 
 
 def build_features(cfg) -> List[StageFeature]:
@@ -21,4 +22,4 @@ def build_features(cfg) -> List[StageFeature]:
 
 
 __all__ = ["FEATURES", "StageContext", "StageFeature", "StaleGradCorrection", "StaleGradWeights",
-           "build_features"]
+           "WeightPrediction", "build_features"]

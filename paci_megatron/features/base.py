@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tuple
 
 from ..executor import DriftStats
 
@@ -30,6 +30,12 @@ class StageContext:
     optimizer: Any = None
     params: Tuple = ()
     features: List["StageFeature"] = field(default_factory=list)
+    accumulation: int = 1  # the plan's a
+    per_token: bool = False  # --calculate-per-token-loss: gradients are token sums until R
+    # what the action lists say: the stage's local steps between F mb and B mb
+    planned_drift: Callable[[int], int] = lambda mb: 0
+    loss_scale: Callable[[], float] = lambda: 1.0  # what the gradient buffers are scaled by
+    weights_moved: bool = False  # a hook moved the weights: the next forward refreshes caches
 
     def group_mean_drift(self) -> float:
         """The mean drift of the group the next step applies, weighted as its gradients are."""

@@ -41,12 +41,14 @@ class MegatronHandlers:
             self.forward_step_func, self.data, rt.model, rt.plan.accumulation,
             state.inputs.get(mb), self.store, rt.model_config,
             cp_group_size=rt.pg.cp.size(),
-            is_first_microbatch=rt.fresh_weights,  # weights changed: refresh caches
+            # weights changed (a step, or a feature moved them): refresh caches
+            is_first_microbatch=rt.fresh_weights or rt.ctx.weights_moved,
             current_microbatch=mb, is_last_stage=rt.is_last,
         )
-        rt.fresh_weights = False
+        rt.ctx.weights_moved = False
         for feature in rt.features:
             feature.after_forward(rt.ctx, mb)
+        rt.fresh_weights, rt.ctx.weights_moved = rt.ctx.weights_moved, False
         state.outputs[mb] = output
         if rt.meta is not None and rt.is_last:
             state.tokens[mb] = num_tokens

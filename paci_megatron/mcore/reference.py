@@ -30,7 +30,8 @@ from megatron.core.utils import get_model_config, get_model_type
 from ..autograd_versions import keep_version_counters
 from ..emulate import run_global
 from ..schedule import Action, StreamPlan, plan_stream
-from ..shape import StreamShape, closes_group, tied_lag
+from ..features.weight_prediction import move_to_prediction, restore_weights
+from ..shape import StreamShape, closes_group, steps_in_flight, tied_lag
 from . import build
 from .checkpoint import weights_sha256
 from .tied import grad_of, install, main_param, shared_weight
@@ -140,6 +141,7 @@ class _Stage:
     weighed: bool = False  # the group's stale weights are applied (stage 0 with tied: at RG)
     group_drifts: List[int] = field(default_factory=list)  # since the step, in order
     step_drifts: List[int] = field(default_factory=list)  # the same, for the correction
+    predicted: Dict[int, int] = field(default_factory=dict)  # steps ahead -> forwards
 
 
 class TiedState:
@@ -182,10 +184,12 @@ class PipelineEmulator:
                  seq_length: int, build_stage: Callable[[int], StageParts], seed: int = 1234,
                  kind: str = "paci", lr_increment: Optional[int] = None,
                  forward_step_func: Callable = build.gpt_forward_step,
-                 stale_grad_weight: float = 1.0, stale_grad_correction: float = 0.0):
+                 stale_grad_weight: float = 1.0, stale_grad_correction: float = 0.0,
+                 weight_prediction: bool = False):
         self.num_stages, self.accumulation, self.kind = num_stages, accumulation, kind
         self.stale_grad_weight = stale_grad_weight  # --paci-stale-grad-weight W
         self.stale_grad_correction = stale_grad_correction  # --paci-stale-grad-correction K
+        self.weight_prediction = weight_prediction  # --paci-weight-prediction
         self.micro_batch_size, self.seq_length = micro_batch_size, seq_length
         self.forward_step_func = forward_step_func
         dp = parallel_state.get_data_parallel_world_size()
@@ -225,11 +229,18 @@ class PipelineEmulator:
         reads = stage.index in (0, self.num_stages - 1)
         data = iter([stage.batches[self.consumed + mb]]) if reads else None
         store: list = []
+        ahead = self._steps_ahead(stage, mb)
+        if ahead:
+            self._predict(stage, ahead)
         output, tokens = mcore_schedules.forward_step(
             self.forward_step_func, data, model, self.accumulation, stage.inputs.get(mb),
             store, get_model_config(model), cp_group_size=1,
-            is_first_microbatch=stage.fresh_weights, current_microbatch=mb, is_last_stage=is_last)
-        stage.fresh_weights = False
+            is_first_microbatch=stage.fresh_weights or bool(ahead), current_microbatch=mb,
+            is_last_stage=is_last)
+        stage.fresh_weights = bool(ahead)
+        if ahead:
+            with keep_version_counters(list(model.parameters())):
+                restore_weights(stage.parts.optimizer)
         stage.outputs[mb] = output
         stage.fwd_version[mb] = stage.version
         if is_last and self.tied is not None:
@@ -238,6 +249,25 @@ class PipelineEmulator:
         if is_last:
             self.losses += store
             stage.tokens[mb] = int(tokens)
+
+    def _steps_ahead(self, stage: _Stage, mb: int) -> int:
+        """--paci-weight-prediction: the steps this stage takes before B mb (PACI's 1F1B
+        order, counted from the shape rather than read from the lists)."""
+        if not self.weight_prediction or self.kind != "paci":
+            return 0
+        return steps_in_flight(self.num_stages, stage.index, self.accumulation, mb)
+
+    def _predict(self, stage: _Stage, steps: int) -> None:
+        """Move the stage's weights ``steps`` optimizer steps ahead, with the mean of the
+        gradients of the group's backwards so far (not for per-token loss: token sums)."""
+        model, optimizer = stage.parts.model, stage.parts.optimizer
+        done = len(stage.step_drifts)
+        per_token = get_model_config(model).calculate_per_token_loss
+        factor = None if per_token or not done \
+            else self.accumulation / done / float(optimizer.get_loss_scale())
+        with keep_version_counters(list(model.parameters())):
+            move_to_prediction(optimizer, steps, factor)
+        stage.predicted[steps] = stage.predicted.get(steps, 0) + 1
 
     def _send_f(self, stage: _Stage, mb: int) -> None:
         out = stage.outputs[mb]

@@ -111,6 +111,7 @@ class PaciRuntime:
         self._loss_scale: Optional[float] = None  # read once per step (a device sync on GPU)
         self.features: List[StageFeature] = []
         self.ctx = StageContext(self.stage, self.num_stages, self.drift)
+        self._drift_plans: dict = {}  # planned_drift's cache
 
     # wiring ----------------------------------------------------------------------------------
     def bind(self, optimizer, lr_scheduler=None, lr_increment: Optional[int] = None) -> None:
@@ -221,7 +222,7 @@ class PaciRuntime:
         # the tied copy is restored first: later hooks see the stage's weights as they stay
         self.features = ([self.tied] if self.tied is not None else []) + self.user_features \
             + list(self.policy.features)
-        self.ctx.features = self.features
+        self._tell_features()
         self.call_index = 0
         self.gathers_params = self.kind == "paci" and param_gather.overlaps_param_gather(model)
         self.data = ReplayIterator(data_iterator) if self.data is None else self.data
@@ -235,6 +236,28 @@ class PaciRuntime:
         )[0]
         model.zero_grad_buffer()
         self.optimizer.zero_grad()
+
+    def _tell_features(self) -> None:
+        """What the features may read of this stream."""
+        ctx = self.ctx
+        ctx.features = self.features
+        ctx.accumulation = self.plan.accumulation
+        ctx.per_token = self.meta is not None and self.meta.per_token
+        ctx.loss_scale = self.loss_scale
+        ctx.planned_drift = self.planned_drift
+        self._drift_plans = {}
+
+    def planned_drift(self, mb: int) -> int:
+        """The local steps this stage takes between F mb (of the current call) and B mb, as
+        the plan's lists say; cached per position in the periodic stream."""
+        plan, call = self.plan, self.call_index
+        if plan.kind != "paci":
+            return 0
+        shift = max(0, call - len(plan.first)) * plan.per_call
+        key = (call - shift // plan.per_call, mb - shift)
+        if key not in self._drift_plans:
+            self._drift_plans[key] = plan.steps_before_backward(key[0], self.stage, key[1])
+        return self._drift_plans[key]
 
     def _tied_in_plans(self, model) -> bool:
         """Stage 0 and the last stage of a PACI plan with tied embeddings exchange the tied
@@ -304,6 +327,7 @@ class PaciRuntime:
         if plan is not self.plan:  # --paci-accumulation-factor auto took another a
             admission.admit_plan(plan, self.model_config)
             self.plan = plan
+            self._tell_features()
         store: list = []
         handlers = MegatronHandlers(self, forward_step_func=forward_step_func, data=self.data,
                                     forward_data_store=store)

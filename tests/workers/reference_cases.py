@@ -19,7 +19,9 @@ from typing import Dict, List
 import torch
 
 from paci_megatron.adapt import Adaptive, candidates
-from paci_megatron.features import StaleGradCorrection, StaleGradWeights, StageFeature
+from paci_megatron.features import (StaleGradCorrection, StaleGradWeights, StageFeature,
+                                    WeightPrediction)
+from paci_megatron.features.weight_prediction import predictable
 from paci_megatron.mcore import build
 from paci_megatron.mcore.handlers import MegatronHandlers
 from paci_megatron.mcore.reference import PipelineEmulator, StageParts, weights_sha256
@@ -38,7 +40,7 @@ SEED = 1234
 BASE = dict(tp=1, dp=1, a=4, n=4, calls=5, dropout=0.0, bf16=False, recompute=False,
             dist_opt=False, clip=0.3, layers=4, drain_after=None, eval_after=None,
             audit=False, factors=None, tied=False,
-            fp16=False, per_token=False, stale_weight=1.0, correction=0.0)
+            fp16=False, per_token=False, stale_weight=1.0, correction=0.0, predict=False)
 CASES: Dict[str, Dict] = {
     "p2_a4": dict(pp=2, dropout=0.1),
     "p2_a2": dict(pp=2, a=2, n=8, calls=4),
@@ -92,6 +94,18 @@ CASES: Dict[str, Dict] = {
     # output-layer gradient included, with its own drift and its own moment
     "p4_tied_correct": dict(pp=4, a=2, calls=6, tied=True, drain_after=(3,), eval_after=(2, 4),
                             correction=2000.0),
+    # --paci-weight-prediction (twins: p4_bf16, p4_tied, p2_fp16): forwards with drift 1 at
+    # P=4, a=2 (audited: backwards read the current weights); tied with a drain and evaluations;
+    # with data parallelism (each replica folds its own partial gradient); fp16 (the buffers
+    # at each stage's loss scale, overflows)
+    "p4_bf16_predict": dict(pp=4, a=2, bf16=True, audit=True, predict=True),
+    "p4_tied_bf16_predict": dict(pp=4, a=2, calls=6, tied=True, bf16=True, drain_after=(3,),
+                                 eval_after=(2, 4), predict=True),
+    "p4_tied_bf16": dict(pp=4, a=2, calls=6, tied=True, bf16=True, drain_after=(3,),
+                         eval_after=(2, 4)),
+    "p2_dp2_tied_bf16_predict": dict(pp=2, dp=2, a=1, n=4, calls=4, tied=True, bf16=True,
+                                     dropout=0.1, predict=True),
+    "p2_fp16_predict": dict(pp=2, a=2, calls=6, fp16=True, predict=True),
 }
 
 
@@ -157,19 +171,28 @@ def run_runtime(case: str, out_dir: str) -> None:
     adaptive = Adaptive(cfg["pp"], cfg["n"], candidates(cfg["pp"], cfg["n"], None), interval=1,
                         tolerance=0.0, policy="cycle") if cfg["factors"] else None
     features = ([StaleGradWeights(cfg["stale_weight"])] if cfg["stale_weight"] != 1.0 else []) \
-        + ([StaleGradCorrection(cfg["correction"])] if cfg["correction"] else [])
+        + ([StaleGradCorrection(cfg["correction"])] if cfg["correction"] else []) \
+        + ([WeightPrediction()] if cfg["predict"] else [])
     rt = PaciRuntime(kind="paci", accumulation=cfg["a"], features=features,
                      policy=AdaptivePlan(cfg["pp"], adaptive) if adaptive else None)
     rt.bind(parts.optimizer, parts.lr_scheduler, lr_increment=cfg["a"] * MBS * info["dp_size"])
     steps: List[Dict] = []
 
+    restores: List[bool] = []
+
     class Recorder(StageFeature):
-        """Every step's record with the weights after it (a feature's after_step hook)."""
+        """Every step's record with the weights after it (a feature's after_step hook), and
+        after every forward whether each weight is its main copy's cast (the restore)."""
 
         def after_step(self, ctx, record) -> None:
             steps.append(dict(mb=record.mb, ok=record.update_successful,
                               grad_norm=_hex(record.grad_norm), lr=_hex(record.lr),
                               weights=weights_sha256([parts.model])))
+
+        def after_forward(self, ctx, mb) -> None:
+            if cfg["predict"]:
+                restores.append(all(model.equal(main.to(model.dtype))
+                                    for _i, _g, model, main in predictable(parts.optimizer)))
 
     rt.user_features.append(Recorder())
     install_weight = MegatronHandlers.recv_tied_weight
@@ -198,7 +221,9 @@ def run_runtime(case: str, out_dir: str) -> None:
         losses=losses, steps=steps, max_drift=rt.drift.max,
         tied_after_drain=tied_sha256(parts.model, parts.optimizer),
         histogram={str(k): v for k, v in sorted(rt.drift.histogram.items())},
-        tied_histogram={str(k): v for k, v in sorted(rt.tied_histogram.items())}))
+        tied_histogram={str(k): v for k, v in sorted(rt.tied_histogram.items())},
+        predicted={str(k): v for k, v in sorted(features[-1].predicted.items())}
+        if cfg["predict"] else {}, restores=restores))
 
 
 def run_emulator(case: str, out_dir: str) -> None:
@@ -207,7 +232,8 @@ def run_emulator(case: str, out_dir: str) -> None:
     emu = PipelineEmulator(num_stages=cfg["pp"], accumulation=cfg["a"], micro_batch_size=MBS,
                            seq_length=16, build_stage=lambda s: build_parts(cfg), seed=SEED,
                            stale_grad_weight=cfg["stale_weight"],
-                           stale_grad_correction=cfg["correction"])
+                           stale_grad_correction=cfg["correction"],
+                           weight_prediction=cfg["predict"])
     audits = {s: audit_backward(emu, s) for s in range(cfg["pp"])} if cfg["audit"] else {}
     losses: List[str] = []
     for call in range(cfg["calls"]):
@@ -223,6 +249,7 @@ def run_emulator(case: str, out_dir: str) -> None:
             losses=losses if s == cfg["pp"] - 1 else [], steps=steps,
             max_drift=max(stage.drift, default=0),
             histogram={str(k): v for k, v in sorted(stage.drift.items())},
+            predicted={str(k): v for k, v in sorted(stage.predicted.items())},
             audit=[dataclasses.asdict(v) for v in audits.get(s, [])],
             tied_histogram={str(k): v for k, v in sorted(emu.tied.histogram.items())}
             if emu.tied is not None and s == cfg["pp"] - 1 else {}))

@@ -1,0 +1,246 @@
+"""--paci-weight-prediction: run a stale micro-batch's forward on the weights its backward
+will meet.
+
+Under PACI a micro-batch whose backward comes after d local steps of its stage runs its
+forward on weights d steps older than the ones its backward uses. Before such a forward (the
+action lists say which: ``StreamPlan.steps_before_backward``) the stage moves its weights in
+place to what its optimizer would make of them in d steps, runs the forward, and puts them
+back. The prediction is linear (d times one step, as SpecTrain and FTPipe's "linear" mode) and
+uses the next step's LR and weight decay from the param groups (the LR scheduler has set them
+already), and for Adam the moments with the gradient the group has gathered so far folded in
+as the step would fold the whole group's (``grad_factor`` turns the DDP buffer into that mean;
+without it the moments alone).
+
+No copy of the weights: one piece of one parameter at a time (two fp32 temporaries), and the
+restore is exact because it is Megatron's own: the model weight cast from the optimizer's fp32
+main copy, which the prediction never touches. That copy exists under --bf16 and --fp16 only;
+in fp32 the weight is the optimizer's tensor and no in-place move can be undone bit for bit
+without a copy, so fp32 is refused. Parameters a mixed-precision optimizer keeps in fp32
+without a main copy are left where they are.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Iterator, Optional, Tuple
+
+from ..flag import ConfigError, Flag
+from .base import StageContext, StageFeature, sub_optimizers
+
+PREDICTION_FLAG = Flag(
+    "--paci-weight-prediction", switch=True, neutral=False,
+    help="before a forward whose backward comes after d local steps of its stage, move the "
+         "stage's weights in place to the optimizer's prediction d steps ahead, and back after "
+         "it (exact, from the fp32 main params: needs --bf16 or --fp16); off by default: the "
+         "paper's PACI runs every forward on the current weights")
+
+
+class WeightPrediction(StageFeature):
+    """Moves the stage's weights to their predicted values around each stale forward."""
+
+    name = "weight_prediction"
+    FLAGS = (PREDICTION_FLAG,)
+
+    def __init__(self):
+        self.moved = False
+        self.backwards = 0  # backwards since the stage's last step: the partial gradient's
+        self.predicted = Counter()  # steps ahead -> forwards run on predicted weights
+
+    @staticmethod
+    def check(args, layout) -> None:
+        if not getattr(args, PREDICTION_FLAG.dest, False):
+            return
+        if not (getattr(args, "bf16", False) or getattr(args, "fp16", False)):
+            raise ConfigError(
+                "--paci-weight-prediction needs --bf16 or --fp16: the weights are put back "
+                "after a predicted forward from the optimizer's fp32 main copy, which fp32 "
+                "training does not keep (undoing an in-place move in fp32 is not exact)")
+        if getattr(args, "use_distributed_optimizer", False):
+            raise ConfigError(
+                "--paci-weight-prediction does not support --use-distributed-optimizer yet "
+                "(each rank holds a shard of the optimizer state, so the prediction needs a "
+                "stage-local all-gather per predicted forward); drop one of the two")
+        if getattr(args, "paci_accumulation_factor", None) == "auto":
+            raise ConfigError("--paci-weight-prediction does not support "
+                              "--paci-accumulation-factor auto yet; give a fixed factor")
+
+    @classmethod
+    def from_config(cls, cfg) -> Optional["WeightPrediction"]:
+        return cls() if cfg.weight_prediction else None
+
+    def describe(self) -> str:
+        return "stale forwards on predicted weights"
+
+    def summary(self) -> dict:
+        return {"predicted_forwards": dict(sorted(self.predicted.items()))}
+
+    def on_bind(self, ctx: StageContext) -> None:
+        check_optimizer(ctx.optimizer)
+
+    def before_forward(self, ctx: StageContext, mb: int) -> None:
+        steps = ctx.planned_drift(mb)
+        if not steps:
+            return
+        factor = None if ctx.per_token or not self.backwards \
+            else ctx.accumulation / self.backwards / ctx.loss_scale()
+        with _versions_kept(ctx.params):
+            move_to_prediction(ctx.optimizer, steps, factor)
+        self.moved = ctx.weights_moved = True
+        self.predicted[steps] += 1
+
+    def after_forward(self, ctx: StageContext, mb: int) -> None:
+        if self.moved:
+            with _versions_kept(ctx.params):
+                restore_weights(ctx.optimizer)
+            self.moved = False
+            ctx.weights_moved = True  # the next forward's weights differ from this one's
+
+    def backward_factor(self, ctx: StageContext, drift: int) -> float:
+        self.backwards += 1
+        return 1.0
+
+    def after_step(self, ctx: StageContext, record) -> None:
+        self.backwards = 0
+
+    def on_drain(self, ctx: StageContext) -> None:
+        self.backwards = 0
+
+
+def _versions_kept(params):
+    """The in-flight graphs saved these weights; their backwards read them as they stand."""
+    from ..autograd_versions import keep_version_counters
+
+    return keep_version_counters(params)
+
+
+def check_optimizer(optimizer) -> None:
+    """Adam's family or SGD, with an fp32 main copy to restore from."""
+    pairs = list(predictable(optimizer))
+    if not pairs:
+        raise ConfigError("--paci-weight-prediction found no parameter with an fp32 main copy "
+                          "in the stage's optimizer: train with --bf16 or --fp16")
+    for opt in sub_optimizers(optimizer):
+        for group in opt.optimizer.param_groups:
+            if "betas" not in group and "momentum" not in group:
+                raise ConfigError(f"--paci-weight-prediction predicts Adam's and SGD's steps; "
+                                  f"{type(opt.optimizer).__name__} is neither")
+            if group.get("amsgrad"):
+                raise ConfigError("--paci-weight-prediction does not predict AMSGrad steps")
+
+
+def predictable(optimizer) -> Iterator[Tuple[object, dict, object, object]]:
+    """(inner optimizer, param group, model weight, fp32 main copy) for every weight that has
+    a main copy (Megatron's Float16OptimizerWithFloat16Params pairs them group by group)."""
+    for opt in sub_optimizers(optimizer):
+        model_of = {id(main): model
+                    for models, mains in zip(getattr(opt, "float16_groups", []),
+                                             getattr(opt, "fp32_from_float16_groups", []))
+                    for model, main in zip(models, mains)}
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for main in group["params"]:
+                model = model_of.get(id(main))
+                if model is not None:
+                    yield inner, group, model, main
+
+
+def move_to_prediction(optimizer, steps: int, grad_factor: Optional[float]) -> None:
+    """Write into each model weight its main copy ``steps`` optimizer steps ahead. A weight
+    without optimizer state yet (before its first step) stays. ``grad_factor`` times the DDP
+    gradient buffer is the group's mean gradient so far (None: use the moments alone)."""
+    for inner, group, model, main in predictable(optimizer):
+        state = inner.state.get(main)
+        if not state:
+            continue
+        grad = getattr(model, "main_grad", None) if grad_factor else None
+        if grad is not None and getattr(model, "sequence_parallel", False):
+            grad = None  # partial on each tensor-parallel rank until finalize: would differ
+        predict = _adam_prediction if "exp_avg" in state else _sgd_prediction
+        tensors = _state_tensors(inner, state, main)
+        for part in _chunks(model.data, main, grad, *tensors.values()):
+            target, main_part, grad_part, *state_parts = part
+            predicted = predict(inner, group, state, dict(zip(tensors, state_parts)), main_part,
+                                grad_part, grad_factor or 0.0, steps)
+            if predicted is not None:
+                target.copy_(predicted)
+
+
+# The temporaries (two fp32 pieces) are per chunk: a weight is cut into PIECES chunks of at
+# least MIN_CHUNK elements, so they stay a few percent of the largest weight's own state and
+# below one micro-batch's activations, at a few dozen kernels per large weight.
+PIECES = 32
+MIN_CHUNK = 1 << 14
+
+
+def _chunks(*tensors):
+    """Matching flat pieces of same-shaped tensors (None stays None)."""
+    present = [t for t in tensors if t is not None]
+    if not all(t.is_contiguous() for t in present):
+        yield tensors
+        return
+    numel = present[0].numel()
+    size = max(MIN_CHUNK, -(-numel // PIECES))
+    flat = [None if t is None else t.view(-1) for t in tensors]
+    for start in range(0, numel, size):
+        yield [None if t is None else t[start:start + size] for t in flat]
+
+
+def _state_tensors(inner, state, main) -> dict:
+    """The optimizer's per-element state of ``main`` in fp32 units (TE may keep it scaled)."""
+    names = [n for n in ("exp_avg", "exp_avg_sq", "momentum_buffer")
+             if state.get(n) is not None]
+    tensors = {n: state[n] for n in names}
+    if hasattr(inner, "get_unscaled_state"):
+        tensors = {n: (inner.get_unscaled_state(main, n) if t.dtype != main.dtype else t)
+                   for n, t in tensors.items()}
+    return tensors
+
+
+def restore_weights(optimizer) -> None:
+    """The model weights as Megatron derives them from the main copies (bit for bit)."""
+    for _inner, _group, model, main in predictable(optimizer):
+        model.data.copy_(main)
+
+
+def _adam_prediction(inner, group, state, moments, main, grad, factor: float, steps: int):
+    """Adam/AdamW: main - steps x (the next step's update), in torch's arithmetic order."""
+    beta1, beta2 = group["betas"]
+    lr, eps, decay = group["lr"], group["eps"], group.get("weight_decay", 0.0)
+    exp_avg, exp_avg_sq = moments["exp_avg"], moments["exp_avg_sq"]
+    t = float(state["step"]) + 1
+    if grad is not None:
+        num = exp_avg.mul(beta1).add_(grad, alpha=(1 - beta1) * factor)
+        den = exp_avg_sq.mul(beta2).addcmul_(grad, grad, value=(1 - beta2) * factor * factor)
+        if not bool(den.isfinite().all()):  # an fp16 overflow, which the step will skip
+            grad = None
+    if grad is None:
+        num, den = exp_avg.clone(), exp_avg_sq.clone()
+    den.sqrt_().div_(math.sqrt(1 - beta2 ** t)).add_(eps)
+    num.div_(den)
+    del den
+    num.mul_(-steps * lr / (1 - beta1 ** t))
+    decoupled = group.get("decoupled_weight_decay", type(inner).__name__ == "AdamW")
+    keep = 1 - steps * lr * decay if decoupled else 1.0
+    return num.add_(main, alpha=keep)
+
+
+def _sgd_prediction(inner, group, state, moments, main, grad, factor: float, steps: int):
+    """SGD: the momentum buffer with the partial gradient folded in as the step folds the
+    whole group's; without momentum, the partial gradient alone; None: nothing to go on."""
+    lr, momentum = group["lr"], group.get("momentum", 0.0)
+    buf = moments.get("momentum_buffer")
+    if grad is None and buf is None:
+        return None
+    if grad is None:
+        update = buf.clone()
+    else:
+        update = grad.mul(factor)
+        if not bool(update.isfinite().all()):  # an fp16 overflow, which the step will skip
+            return None if buf is None else buf.clone().mul_(-steps * lr).add_(main)
+        if group.get("weight_decay"):
+            update.add_(main, alpha=group["weight_decay"])
+        if buf is not None and momentum:
+            step_buf = buf.mul(momentum).add_(update, alpha=1 - group.get("dampening", 0.0))
+            update = update.add_(step_buf, alpha=momentum) if group.get("nesterov") else step_buf
+    return update.mul_(-steps * lr).add_(main)

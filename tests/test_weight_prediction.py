@@ -1,0 +1,203 @@
+"""--paci-weight-prediction: which forwards are predicted, the prediction's arithmetic against
+the optimizer's own step, the exact restore, and the flag's checks. The runtime against the
+emulator, and against plain PACI, is in test_reference.py; memory in test_memory_parity.py."""
+
+import pytest
+import torch
+
+from paci_megatron.features import weight_prediction as wp
+from paci_megatron.schedule import Op, plan_stream
+from paci_megatron.shape import drift_bound, steps_in_flight
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_lists_and_the_shape_agree_on_every_forwards_steps_ahead(tied):
+    """The runtime reads a forward's steps ahead from the action lists, the emulator counts
+    them from P, s and a: the same for every forward of the first calls, and never above the
+    drift bound (reached on every stage with P-1-s >= 1)."""
+    for P in range(1, 9):
+        for a in range(1, 9):
+            for N in sorted({a, 2 * a}):
+                plan = plan_stream("paci", P, a, N, tied)
+                for s in range(P):
+                    seen = set()
+                    for k in range(5):
+                        for act in plan.call(k)[s]:
+                            if act.op is Op.FORWARD:
+                                ahead = plan.steps_before_backward(k, s, act.mb)
+                                assert ahead == steps_in_flight(P, s, a, act.mb)
+                                seen.add(ahead)
+                    assert max(seen) == drift_bound(P, s, a)
+
+
+def test_a_flush_plan_predicts_nothing():
+    plan = plan_stream("flush", 4, 2, 4)
+    assert all(plan.steps_before_backward(1, s, act.mb) == 0 for s in range(4)
+               for act in plan.call(1)[s] if act.op is Op.FORWARD)
+
+
+class _Mixed:
+    """Megatron's mixed-precision optimizer as the prediction reads it: bf16 model weights
+    (with the DDP's main_grad), fp32 main copies in the inner optimizer's groups."""
+
+    def __init__(self, inner_cls, shapes, **kwargs):
+        gen = torch.Generator().manual_seed(0)
+        self.float16_groups = [[torch.nn.Parameter(torch.randn(*s, generator=gen).bfloat16())
+                                for s in shapes]]
+        self.fp32_from_float16_groups = [[p.detach().float() for p in self.float16_groups[0]]]
+        self.optimizer = inner_cls(self.fp32_from_float16_groups[0], **kwargs)
+        self.gen = gen
+
+    def pairs(self):
+        return list(zip(self.float16_groups[0], self.fp32_from_float16_groups[0]))
+
+    def set_grads(self, scale=1.0):
+        for model, _main in self.pairs():
+            model.main_grad = torch.randn(model.shape, generator=self.gen) * scale
+
+    def step(self):
+        """Megatron's step: main grads from the buffers, the inner step, the model cast."""
+        for model, main in self.pairs():
+            main.grad = model.main_grad.clone()
+        self.optimizer.step()
+        for model, main in self.pairs():
+            model.data.copy_(main)
+
+
+OPTIMIZERS = [
+    (torch.optim.AdamW, dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)),
+    (torch.optim.Adam, dict(lr=1e-3, betas=(0.8, 0.99))),
+    (torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=0.01)),
+    (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True)),
+]
+
+
+@pytest.mark.parametrize("inner_cls,kwargs", OPTIMIZERS)
+def test_one_step_predicted_from_the_whole_group_is_the_optimizers_step(inner_cls, kwargs):
+    """With the whole group's gradient (factor 1) the prediction is the step the optimizer
+    then takes, to fp32 rounding (torch orders its arithmetic differently)."""
+    opt = _Mixed(inner_cls, [(64, 32), (32,)], **kwargs)
+    for _ in range(3):
+        opt.set_grads()
+        opt.step()
+    opt.set_grads()
+    predicted = []
+    for inner, group, model, main in wp.predictable(opt):
+        state = inner.state[main]
+        predict = wp._adam_prediction if "exp_avg" in state else wp._sgd_prediction
+        predicted.append(predict(inner, group, state, wp._state_tensors(inner, state, main), main,
+                                 model.main_grad, 1.0, 1))
+    opt.step()
+    for value, (_model, main) in zip(predicted, opt.pairs()):
+        torch.testing.assert_close(value, main, rtol=1e-6, atol=1e-7)
+
+
+def test_d_steps_ahead_is_d_times_one_step_and_without_gradient_uses_the_moments():
+    opt = _Mixed(torch.optim.AdamW, [(40, 8)], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    opt.set_grads()
+    opt.step()
+    (model, main), = opt.pairs()
+    state = opt.optimizer.state[main]
+    (inner, group, _m, _p), = wp.predictable(opt)
+    one, two = (wp._adam_prediction(inner, group, state, wp._state_tensors(inner, state, main),
+                                    main, None, 0.0, d) for d in (1, 2))
+    torch.testing.assert_close(two - main, 2 * (one - main), rtol=0, atol=3e-7)  # fp32 ulps of main
+    m, v, t = state["exp_avg"], state["exp_avg_sq"], float(state["step"]) + 1
+    expected = main - 1e-3 * (m / (1 - 0.9 ** t)) / ((v / (1 - 0.95 ** t)).sqrt() + 1e-8)
+    torch.testing.assert_close(one, expected, rtol=1e-6, atol=3e-7)
+
+
+def test_the_move_and_the_restore_are_in_place_chunked_and_exact(monkeypatch):
+    """The model weights take the prediction (cast to bf16) and get back their main copy's
+    cast bit for bit; a weight with no optimizer state yet stays; chunking changes nothing."""
+    opt = _Mixed(torch.optim.AdamW, [(300, 7), (5,)], lr=1e-2, betas=(0.9, 0.95))
+    opt.set_grads()
+    opt.step()
+    fresh = torch.nn.Parameter(torch.ones(3).bfloat16())  # joins after the first step
+    opt.float16_groups[0].append(fresh)
+    opt.fp32_from_float16_groups[0].append(fresh.detach().float())
+    opt.optimizer.param_groups[0]["params"].append(opt.fp32_from_float16_groups[0][-1])
+    opt.set_grads()
+    before = [m.detach().clone() for m in opt.float16_groups[0]]
+    storages = [m.data_ptr() for m in opt.float16_groups[0]]
+    wp.move_to_prediction(opt, 2, 0.5)
+    whole = [m.detach().clone() for m in opt.float16_groups[0]]
+    assert not torch.equal(whole[0], before[0]) and torch.equal(whole[2], before[2])
+    assert [m.data_ptr() for m in opt.float16_groups[0]] == storages
+    wp.restore_weights(opt)
+    assert all(torch.equal(m, b) for m, b in zip(opt.float16_groups[0], before))
+    monkeypatch.setattr(wp, "MIN_CHUNK", 64)  # 300 x 7 in 33 pieces
+    wp.move_to_prediction(opt, 2, 0.5)
+    assert all(torch.equal(m, w) for m, w in zip(opt.float16_groups[0], whole))
+    wp.restore_weights(opt)
+    assert all(torch.equal(m, b) for m, b in zip(opt.float16_groups[0], before))
+
+
+def test_an_overflowed_fp16_buffer_predicts_from_the_moments_alone():
+    opt = _Mixed(torch.optim.AdamW, [(8, 8)], lr=1e-3)
+    opt.set_grads()
+    opt.step()
+    (model, _main), = opt.pairs()
+    wp.move_to_prediction(opt, 1, None)
+    from_moments = model.detach().clone()
+    wp.restore_weights(opt)
+    model.main_grad[0, 0] = float("inf")
+    wp.move_to_prediction(opt, 1, 1.0)
+    assert torch.equal(model, from_moments)
+
+
+def test_an_optimizer_it_cannot_predict_or_restore_from_is_refused():
+    from paci_megatron.flag import ConfigError
+
+    class Plain:  # fp32: the optimizer steps the model weights themselves
+        def __init__(self, inner):
+            self.optimizer = inner
+
+    param = torch.nn.Parameter(torch.ones(2))
+    with pytest.raises(ConfigError, match="--bf16 or --fp16"):
+        wp.check_optimizer(Plain(torch.optim.AdamW([param])))
+    wp.check_optimizer(_Mixed(torch.optim.AdamW, [(2,)]))
+    with pytest.raises(ConfigError, match="AMSGrad"):
+        wp.check_optimizer(_Mixed(torch.optim.AdamW, [(2,)], amsgrad=True))
+    with pytest.raises(ConfigError, match="neither"):
+        wp.check_optimizer(_Mixed(torch.optim.Adagrad, [(2,)]))
+
+
+@pytest.mark.parametrize("extra,message", [
+    ([], "needs --bf16 or --fp16"),
+    (["--bf16", "--use-distributed-optimizer"], "--use-distributed-optimizer"),
+    (["--bf16", "--paci-accumulation-factor", "auto"], "--paci-accumulation-factor auto"),
+])
+def test_the_flag_is_refused_where_it_cannot_run_before_any_process_group(extra, message, capsys):
+    from launch import megatron_lm_args
+    from paci_megatron import run as paci_run
+    from paci_megatron.arguments import parse_and_validate
+
+    argv = ["--pipeline-model-parallel-size", "2", "--untie-embeddings-and-output-weights",
+            "--paci-weight-prediction", *extra]
+    with pytest.raises(SystemExit):
+        parse_and_validate(argv, world_size=2)
+    assert message in capsys.readouterr().err
+    mlm = dict(paci_weight_prediction=True, bf16="--bf16" in extra,
+               use_distributed_optimizer="--use-distributed-optimizer" in extra)
+    if "auto" in extra:
+        mlm["paci_accumulation_factor"] = "auto"
+    with pytest.raises(ValueError, match=message.replace("-", r"\-")):
+        paci_run.validate_flags(megatron_lm_args(**mlm))
+
+
+def test_the_flag_reaches_the_runtime_off_by_default_and_never_under_1f1b(capsys):
+    from paci_megatron.arguments import parse_and_validate
+    from paci_megatron.features import build_features
+
+    def features(*argv):
+        _args, opts = parse_and_validate(["--pipeline-model-parallel-size", "2", "--bf16",
+                                          "--untie-embeddings-and-output-weights", *argv],
+                                         world_size=2)
+        return [type(f).__name__ for f in build_features(opts)]
+
+    assert "WeightPrediction" not in features()
+    assert "WeightPrediction" in features("--paci-weight-prediction")
+    with pytest.raises(SystemExit):
+        features("--pipeline-schedule", "1f1b", "--paci-weight-prediction")
+    assert "only applies" in capsys.readouterr().err
