@@ -1,0 +1,77 @@
+#!/bin/bash
+# The paper-regime study (issue 20; pre-registered in benchmarks/README.md section 12): GPT
+# 8 x 512 on tinyshakespeare, bf16, AdamW (0.9, 0.95), weight decay 0.1, 2000 updates of
+# 8 sequences (a = M = 8, micro-batch 1), 1% warm-up, cosine to 0.1x.
+#
+#   bash benchmarks/paper_regime_study.sh PHASE [OUT]     (default OUT=/tmp/paper_study)
+#
+# PHASE, in order (each is a compare run with --reuse, so an interrupted phase resumes and
+# a finished one costs nothing; about 10 minutes a P=4 run on 2 idle cores):
+#   sweep       1F1B at LR 1e-4, 3e-4, 1e-3, seed 1234: is 3e-4 about the best for this model?
+#   select      seed 1234, P=4: 1F1B, plain PACI, W=0.2, prediction, the correction K=4000
+#   report      seeds 2001, 2002, P=4 and P=8: 1F1B, interleaved (P=4), plain PACI, the
+#               candidate (CANDIDATE, the flags the selection chose), plain PACI with a 200-
+#               iteration 1F1B cool-down (P=4), and the budget comparison with its control
+#   aggressive  the earlier study's regime (4 x 64, LR 2e-3, 1000 updates) in bf16, seeds
+#               1234 and 1235: 1F1B, plain PACI, W=0.2, prediction
+#
+# Needs the tokenized corpus (once, ~5 s):
+#   python -m paci_megatron.tools.preprocess_data --input ../shared/data/tinyshakespeare.txt \
+#       --output-prefix /tmp/cmp_shk/shakespeare --tokenizer-model /tmp/cmp_shk/spm.model --vocab-size 2000
+set -euo pipefail
+PHASE=${1:?usage: paper_regime_study.sh sweep|select|report|aggressive [OUT]}
+OUT=${2:-/tmp/paper_study}
+DATA=${DATA:-/tmp/cmp_shk}
+CANDIDATE=${CANDIDATE:-}  # report: the selection's winner, e.g. "--paci-weight-prediction"
+CORPUS=(--data-path "$DATA/shakespeare_text_document" --tokenizer-type SentencePieceTokenizer
+        --tokenizer-model "$DATA/spm.model" --vocab-size 2000 --split 95,5,0
+        --untie-embeddings-and-output-weights --bf16)
+PAPER=("${CORPUS[@]}" --num-layers 8 --hidden-size 512 --num-attention-heads 8 --seq-length 64
+       --hidden-dropout 0.1 --attention-dropout 0.1
+       --micro-batch-size 1 --global-batch-size 8 --adam-beta1 0.9
+       --adam-beta2 0.95 --weight-decay 0.1 --lr-decay-style cosine --lr-warmup-iters 20
+       --eval-interval 50 --eval-iters 16 --log-interval 50)
+LR=(--lr 3e-4 --min-lr 3e-5)
+PLAIN="--pipeline-schedule paci --paci-stale-grad-weight 1"  # the paper's PACI
+compare() { python -m paci_megatron.tools.compare --reuse "$@"; }
+
+case "$PHASE" in
+sweep)
+  for lr in 1e-4 3e-4 1e-3; do
+    min=$(python -c "print(f'{$lr / 10:g}')")
+    compare --schedules 1f1b --seeds 1234 --nproc-per-node 4 --out "$OUT/sweep/lr$lr" -- \
+        "${PAPER[@]}" --lr "$lr" --min-lr "$min" --train-iters 2000
+  done ;;
+select)
+  compare --schedules 1f1b --seeds 1234 --nproc-per-node 4 --out "$OUT/select" \
+      --run paci-plain="$PLAIN" \
+      --run paci-w0.2="--pipeline-schedule paci --paci-stale-grad-weight 0.2" \
+      --run paci-predict="$PLAIN --paci-weight-prediction" \
+      --run paci-k4000="$PLAIN --paci-stale-grad-correction 4000" \
+      -- "${PAPER[@]}" "${LR[@]}" --train-iters 2000 ;;
+report)
+  [ -n "$CANDIDATE" ] || { echo "report: set CANDIDATE to the selection's flags" >&2; exit 2; }
+  # budget: 2000 x the projected throughput ratio (1.375 at P=4, M=8), cosine over it
+  compare --schedules 1f1b,interleaved --seeds 2001,2002 --nproc-per-node 4 --out "$OUT/p4" \
+      --run paci-plain="$PLAIN" \
+      --run paci-candidate="--pipeline-schedule paci $CANDIDATE" \
+      --run paci-plain-cooldown200="$PLAIN --paci-cooldown-iters 200" \
+      --run 1f1b-long="--pipeline-schedule 1f1b --train-iters 2750" \
+      --run paci-plain-long="$PLAIN --train-iters 2750" \
+      --run paci-candidate-long="--pipeline-schedule paci $CANDIDATE --train-iters 2750" \
+      -- "${PAPER[@]}" "${LR[@]}" --train-iters 2000
+  compare --schedules 1f1b --seeds 2001,2002 --nproc-per-node 8 --out "$OUT/p8" \
+      --run paci-plain="$PLAIN" \
+      --run paci-candidate="--pipeline-schedule paci $CANDIDATE" \
+      -- "${PAPER[@]}" "${LR[@]}" --train-iters 2000 ;;
+aggressive)
+  compare --schedules 1f1b --seeds 1234,1235 --nproc-per-node 4 --out "$OUT/aggressive" \
+      --run paci-plain="$PLAIN" \
+      --run paci-w0.2="--pipeline-schedule paci --paci-stale-grad-weight 0.2" \
+      --run paci-predict="$PLAIN --paci-weight-prediction" \
+      -- "${CORPUS[@]}" --num-layers 4 --hidden-size 64 --num-attention-heads 4 \
+      --seq-length 64 --micro-batch-size 2 --global-batch-size 16 --lr 2e-3 --min-lr 2e-4 \
+      --lr-decay-style cosine --lr-warmup-iters 50 --train-iters 1000 --eval-interval 50 \
+      --eval-iters 8 --log-interval 10 ;;
+*) echo "unknown phase $PHASE: sweep, select, report or aggressive" >&2; exit 2 ;;
+esac
