@@ -72,7 +72,8 @@ def test_compare_reports_time_to_accuracy_over_seeds(compared):
 
     _, tta = _rows(lines, "projected TTA speed-up")
     targets = {(r["run"], r["target"]): r for r in tta}
-    assert {t for _, t in targets} == {"1f1b final", "1f1b mid-run"}
+    assert {t for _, t in targets} == {"1f1b final", "1f1b mid-run", "1f1b at 75%",
+                                       "1f1b at 90%"}
     for target in ("1f1b final", "1f1b mid-run"):
         assert targets[("1f1b", target)]["projected TTA speed-up vs 1f1b"] == "1.000 ± 0.000"
     mid = targets[(NAME, "1f1b mid-run")]

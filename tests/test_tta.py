@@ -91,8 +91,11 @@ def test_equal_curves_give_the_projected_throughput_ratio_as_tta_speed_up():
     runs = {name: [compare.summarize(name, records(v), shape, COSTS, seed)
                    for seed, v in zip((1, 2), seeds)] for name, shape in shapes.items()}
     targets = compare.targets_per_seed(runs["1f1b"], [4.5])
-    assert [label for label, _ in targets] == ["1f1b final", "1f1b mid-run", "4.5"]
+    assert [label for label, _ in targets] == ["1f1b final", "1f1b mid-run", "1f1b at 75%",
+                                               "1f1b at 90%", "4.5"]
     assert targets[0][1] == [2.5, 2.6] and targets[1][1] == [4.0, 4.1]
+    # 75% of 8 iterations is 6 (3.0 / 3.1), 90% is 7.2: 3.0 - 0.6 x 0.5
+    assert targets[2][1] == [3.0, 3.1] and targets[3][1] == pytest.approx([2.7, 2.8])
     rows = {(r["run"], r["target"]): r for r in compare.time_to_accuracy(runs, "1f1b", targets)}
     for label, _ in targets:
         assert rows[("paci", label)]["speedup"] == pytest.approx([33 / 24] * 2, rel=1e-12)
@@ -101,7 +104,7 @@ def test_equal_curves_give_the_projected_throughput_ratio_as_tta_speed_up():
     assert hit == pytest.approx((48.0, 3.0, 1.5, 3 * 24.0))
     text = compare.tta_table(list(rows.values()), "1f1b")
     assert "| paci | 1f1b final | 2.5500 ± 0.0707 |" in text
-    assert text.count("| 1.375 ± 0.000 |") == 3
+    assert text.count("| 1.375 ± 0.000 |") == 5
     main = compare.report_table(runs, "1f1b")
     assert "| paci | 2 | 2.5500 ± 0.0707 |" in main and "| 24 | 1.375 |" in main
 
@@ -169,3 +172,67 @@ def test_warm_up_and_cool_down_iterations_run_at_stock_pace():
         4 * 5.0 + 6 * 3.0
     four = tta.RunShape("paci", 4, 8, 2, cooldown_start=6)
     assert four.updates(8) == 6 * 4 + 2
+
+
+def _runs(curves, shapes, records_of=records):
+    return {name: [compare.summarize(name, records_of(v), shapes[name], COSTS, seed)
+                   for seed, v in zip((1, 2), per_seed)] for name, per_seed in curves.items()}
+
+
+def test_time_to_the_75_90_100_targets_against_1f1b_and_interleaved():
+    """With PACI's curve equal to 1F1B's at equal samples, the speed-up to every target is
+    the projected throughput ratio (33/24 at P=4, M=8), and over interleaved 1F1B (v=2, its
+    curve 1F1B's, pace (M + (P-1)/2)(tf+tb) = 28.5) 28.5/24; a run whose loss lags gets
+    less; a measured interleaved run is used where there is one."""
+    seeds = ([6.0, 5.0, 4.0, 3.5, 3.2, 3.0], [6.1, 5.1, 4.1, 3.6, 3.3, 3.1])
+    shapes = {"1f1b": tta.RunShape("1f1b", 4, 8, 8), "paci": tta.RunShape("paci", 4, 8, 8),
+              "paci-lag": tta.RunShape("paci", 4, 8, 8)}
+    lagging = tuple([v * 1.01 for v in s] for s in seeds)
+    runs = _runs({"1f1b": seeds, "paci": seeds, "paci-lag": lagging}, shapes)
+    targets = compare.targets_per_seed(runs["1f1b"], [])
+    rows = {(r["run"], r["target"]): r
+            for r in compare.time_to_accuracy(runs, "1f1b", targets, COSTS)}
+    for label in ("1f1b at 75%", "1f1b at 90%", "1f1b final"):
+        assert rows[("paci", label)]["speedup"] == pytest.approx([33 / 24] * 2, rel=1e-12)
+        assert rows[("paci", label)]["vs_interleaved"] == pytest.approx([28.5 / 24] * 2)
+        assert rows[("1f1b", label)]["vs_interleaved"] == pytest.approx([28.5 / 33] * 2)
+        lag = rows[("paci-lag", label)]["speedup"]
+        assert all(x < 33 / 24 for x in lag)
+    assert rows[("paci-lag", "1f1b final")]["speedup"] == []  # never gets there
+    text = compare.tta_table(list(rows.values()), "1f1b")
+    assert "projected TTA speed-up vs interleaved" in text and "| 1.188 ± 0.000 |" in text
+    shapes["interleaved"] = tta.RunShape("interleaved", 4, 8, 8, virtual_chunks=2)
+    measured = _runs({"1f1b": seeds, "paci": seeds, "interleaved": lagging}, shapes)
+    rows = compare.time_to_accuracy(measured, "1f1b", targets[1:2], COSTS)
+    paci = next(r for r in rows if r["run"] == "paci")
+    assert all(x > 28.5 / 24 for x in paci["vs_interleaved"])  # interleaved's own, later hit
+    at_p1 = _runs({"1f1b": seeds}, {"1f1b": tta.RunShape("1f1b", 1, 8, 8)})
+    assert compare.time_to_accuracy(at_p1, "1f1b", targets[:1], COSTS)[0]["vs_interleaved"] \
+        is None
+
+
+def test_budget_comparison_gives_no_credit_for_the_longer_cosine_alone():
+    """PACI and the 1F1B control both train 1.5x longer (the cosine stretched); the control
+    ends lower than 1F1B on its own shorter schedule, and so does PACI. Against the control,
+    PACI with the control's curve at equal samples is exactly its throughput ratio faster to
+    the control's final loss, with no gap; the loss at the baseline's projected time is read
+    off each long curve."""
+    short = ([6.0, 5.0, 4.0, 3.5], [6.2, 5.2, 4.2, 3.7])
+    long = ([6.0, 5.0, 4.2, 3.6, 3.2, 3.0], [6.2, 5.2, 4.4, 3.8, 3.4, 3.2])
+    shapes = {"1f1b": tta.RunShape("1f1b", 4, 8, 8), "1f1b-long": tta.RunShape("1f1b", 4, 8, 8),
+              "paci-long": tta.RunShape("paci", 4, 8, 8)}
+    runs = _runs({"1f1b": short, "1f1b-long": long, "paci-long": long}, shapes)
+    rows = {r["run"]: r for r in compare.budget_rows(runs, "1f1b", "1f1b-long")}
+    assert set(rows) == {"1f1b-long", "paci-long"}
+    paci, control = rows["paci-long"], rows["1f1b-long"]
+    assert paci["speedup_to_control_final"] == pytest.approx([33 / 24] * 2)
+    assert control["speedup_to_control_final"] == [1.0, 1.0]
+    assert paci["gap_to_control"] == [0.0, 0.0]
+    assert paci["final"] == [3.0, 3.2] and paci["base_final"] == [3.5, 3.7]
+    # the budget is 1F1B's 8 iterations x 33 s; PACI's 24 s iterations: 11 of them, between
+    # its evaluations at 10 (3.2) and 12 (3.0); the control at 8 iterations: 3.6
+    assert paci["budget_loss"] == pytest.approx([3.1, 3.3])
+    assert control["budget_loss"] == pytest.approx([3.6, 3.8])
+    text = compare.budget_table(list(rows.values()), "1f1b", "1f1b-long")
+    assert "| paci-long | 3.2000 ± 0.1414 | 3.6000 ± 0.1414 | 3.1000 ± 0.1414 | 0.00 ± 0.00 % | " \
+        "1.375 ± 0.000 |" in text

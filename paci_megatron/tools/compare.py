@@ -42,8 +42,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..simulate import Costs
 from . import tta
-from .compare_report import (X_PROJECTED, X_SAMPLES, gap_table, plot, print_speedups,
-                             report_table, tta_table)
+from .compare_report import (X_PROJECTED, X_SAMPLES, X_UPDATES, budget_table, gap_table, plot,
+                             print_speedups, report_table, tta_table)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENTRY = os.path.join(REPO, "pretrain_gpt_paci.py")
@@ -269,30 +269,86 @@ def summarize(name: str, records: List[Dict], shape: tta.RunShape, costs: Costs,
 
 # --- targets and time to accuracy --------------------------------------------------------
 
+# the baseline's validation loss at these fractions of its run are targets (besides its final)
+RUN_FRACTIONS = (("mid-run", 0.5), ("at 75%", 0.75), ("at 90%", 0.9))
+
+
 def targets_per_seed(base: List[Dict], extra: Sequence[float]) -> List[Tuple[str, List[float]]]:
-    """(label, one target per seed): the baseline's final and mid-run validation loss of the
-    same seed (runs of one seed share data order and initial weights), then fixed targets."""
+    """(label, one target per seed): the baseline's final validation loss of the same seed
+    (runs of one seed share data order and initial weights), its loss at half, 75% and 90%
+    of its run (equal samples), then fixed targets."""
     name = base[0]["name"]
-    found = [(f"{name} final", [r["final_val"] for r in base]),
-             (f"{name} mid-run", [tta.mid_run_target(r["curve"], X_SAMPLES) for r in base])]
+    found = [(f"{name} final", [r["final_val"] for r in base])]
+    found += [(f"{name} {label}", [tta.run_fraction_target(r["curve"], X_SAMPLES, f)
+                                   for r in base]) for label, f in RUN_FRACTIONS]
     found += [(f"{value:g}", [value] * len(base)) for value in extra]
     return found
 
 
+def interleaved_hits(runs: Dict[str, List[Dict]], base_name: str, per_seed: List[float],
+                     costs: Optional[Costs]) -> Optional[List[Optional[float]]]:
+    """Per seed, interleaved 1F1B's projected seconds to the target: from its own run when
+    there is one, else from the baseline's curve (a synchronous schedule makes the same
+    updates) at interleaved's projected pace (v = 2); None where it cannot run."""
+    if "interleaved" in runs:
+        return [h and h[X_PROJECTED] for h in
+                (tta.reach(r["curve"], t) for r, t in zip(runs["interleaved"], per_seed))]
+    base = runs[base_name]
+    shape = base[0]["shape"]
+    if costs is None or shape.schedule != "1f1b":
+        return None
+    pace = tta.interleaved_seconds_per_iteration(shape.num_stages, shape.microbatches, costs)
+    if pace is None:
+        return None
+    return [h and h[X_UPDATES] * pace for h in
+            (tta.reach(r["curve"], t) for r, t in zip(base, per_seed))]
+
+
 def time_to_accuracy(runs: Dict[str, List[Dict]], base_name: str,
-                     targets: List[Tuple[str, List[float]]]) -> List[Dict]:
+                     targets: List[Tuple[str, List[float]]],
+                     costs: Optional[Costs] = None) -> List[Dict]:
     """Per run and target: per seed, the x values where the curve first reaches the target
-    (None: not reached), and the projected TTA speed-up over the baseline per seed."""
+    (None: not reached), and the projected TTA speed-up over the baseline per seed, and over
+    interleaved 1F1B (``interleaved_hits``; None where it has none)."""
     rows = []
     for label, per_seed in targets:
         base_hits = [tta.reach(r["curve"], t) for r, t in zip(runs[base_name], per_seed)]
+        inter = interleaved_hits(runs, base_name, per_seed, costs)
         for name, seeds in runs.items():
             hits = [tta.reach(r["curve"], t) for r, t in zip(seeds, per_seed)]
+            projected = [h and h[X_PROJECTED] for h in hits]
             rows.append({
                 "run": name, "target": label, "target_values": per_seed, "hits": hits,
-                "speedup": tta.speedups([h and h[X_PROJECTED] for h in base_hits],
-                                        [h and h[X_PROJECTED] for h in hits]),
+                "speedup": tta.speedups([h and h[X_PROJECTED] for h in base_hits], projected),
+                "vs_interleaved": None if inter is None else tta.speedups(inter, projected),
             })
+    return rows
+
+
+def budget_rows(runs: Dict[str, List[Dict]], base_name: str, control_name: str) -> List[Dict]:
+    """The budget comparison: runs named ``*-long`` train for the updates their throughput
+    fits into the baseline's time, their cosine stretched over them; ``control_name`` is the
+    baseline on the same stretched schedule. Per run and seed: the validation loss at the
+    baseline's projected run time (the budget), the final loss, the gap to the control at
+    equal samples at the end, and the projected speed-up over the control to the control's
+    final loss (the longer cosine alone, which the control also has, is no speed-up)."""
+    base, control = runs[base_name], runs[control_name]
+    rows = []
+    for name, seeds in runs.items():
+        if not name.endswith("-long"):
+            continue
+        budget = [tta.loss_at(r["curve"], X_PROJECTED, b["curve"][-1][0][X_PROJECTED])
+                  for r, b in zip(seeds, base)]
+        gaps = [tta.gaps_at(c["curve"], r["curve"], X_SAMPLES, (1.0,))[0]
+                for r, c in zip(seeds, control)]
+        hits = [tta.reach(r["curve"], c["final_val"]) for r, c in zip(seeds, control)]
+        control_hits = [tta.reach(c["curve"], c["final_val"]) for c in control]
+        rows.append({"run": name, "budget_loss": budget,
+                     "base_final": [b["final_val"] for b in base],
+                     "final": [r["final_val"] for r in seeds], "gap_to_control": gaps,
+                     "speedup_to_control_final": tta.speedups(
+                         [h and h[X_PROJECTED] for h in control_hits],
+                         [h and h[X_PROJECTED] for h in hits])})
     return rows
 
 
@@ -441,8 +497,11 @@ def compare(args, train_flags: List[str]) -> int:
             runs.setdefault(spec.name, []).append(
                 summarize(spec.name, records, shapes[spec.name], costs, seed))
     targets = targets_per_seed(runs[base_name], extra_targets)
-    rows = time_to_accuracy(runs, base_name, targets)
+    rows = time_to_accuracy(runs, base_name, targets, costs)
     table, ttable = report_table(runs, base_name), tta_table(rows, base_name)
+    control = f"{base_name}-long"
+    budget = budget_table(budget_rows(runs, base_name, control), base_name, control) \
+        if control in runs else ""
     gtable = gap_table(runs, base_name)
     plots = plot(runs, args.out)
     with open(os.path.join(args.out, "report.md"), "w") as f:
@@ -453,6 +512,8 @@ def compare(args, train_flags: List[str]) -> int:
                     "deviation over seeds.\n\n")
         f.write(table + "\n\n## Gap to " + base_name + " at equal samples\n\n" + gtable
                 + "\n\n## Time to accuracy\n\n" + ttable + "\n\n")
+        if budget:
+            f.write("## Budget comparison\n\n" + budget + "\n\n")
         f.write(f"Targets are per seed (the {base_name} run of the same seed). A run reaches a "
                 "target where its validation curve first gets to it, interpolated linearly "
                 "between evaluations. Projected time: each schedule's action lists for this P "
@@ -466,6 +527,8 @@ def compare(args, train_flags: List[str]) -> int:
     print(table)
     print(gtable)
     print(ttable)
+    if budget:
+        print(budget)
     print_speedups(runs, rows, base_name)
     print(f"report: {os.path.join(args.out, 'report.md')}")
     return 0

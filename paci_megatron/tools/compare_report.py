@@ -69,17 +69,39 @@ def report_table(runs: Dict[str, List[Dict]], base_name: str) -> str:
 
 
 def tta_table(rows: List[Dict], base_name: str) -> str:
+    """One row per run and target; the speed-up over interleaved 1F1B is its own run's where
+    there is one, else projected from the baseline's curve (see compare.interleaved_hits)."""
+    inter = any(row.get("vs_interleaved") is not None for row in rows)
     head = (f"| run | target | target loss | samples | updates | wall s | projected s | "
-            f"projected TTA speed-up vs {base_name} |")
-    out = [head, "|" + "---|" * 8]
+            f"projected TTA speed-up vs {base_name} |"
+            + (" projected TTA speed-up vs interleaved |" if inter else ""))
+    out = [head, "|" + "---|" * (9 if inter else 8)]
     for row in rows:
         n = len(row["hits"])
         col = [[h and h[i] for h in row["hits"]] for i in range(4)]
-        out.append(
-            f"| {row['run']} | {row['target']} | {_stat(row['target_values'], 4)} | "
-            f"{_stat(col[X_SAMPLES], 0)} | {_stat(col[X_UPDATES], 1)} | "
-            f"{_stat(col[X_WALL], 1)} | {_stat(col[X_PROJECTED], 4)} | "
-            f"{_stat(row['speedup'], 3, total=n) if any(row['hits']) else 'not reached'} |")
+        reached = any(row["hits"])
+        line = (f"| {row['run']} | {row['target']} | {_stat(row['target_values'], 4)} | "
+                f"{_stat(col[X_SAMPLES], 0)} | {_stat(col[X_UPDATES], 1)} | "
+                f"{_stat(col[X_WALL], 1)} | {_stat(col[X_PROJECTED], 4)} | "
+                f"{_stat(row['speedup'], 3, total=n) if reached else 'not reached'} |")
+        if inter:
+            vs = row.get("vs_interleaved")
+            line += f" {_stat(vs, 3, total=n) if reached and vs is not None else '-'} |"
+        out.append(line)
+    return "\n".join(out)
+
+
+def budget_table(rows: List[Dict], base_name: str, control_name: str) -> str:
+    head = (f"| run | val loss at {base_name}'s projected time | {base_name} final | final | "
+            f"gap to {control_name} at its end (equal samples) | projected speed-up vs "
+            f"{control_name} to its final loss |")
+    out = [head, "|" + "---|" * 6]
+    for row in rows:
+        n = len(row["final"])
+        out.append(f"| {row['run']} | {_stat(row['budget_loss'], 4)} | "
+                   f"{_stat(row['base_final'], 4)} | {_stat(row['final'], 4)} | "
+                   f"{_stat(row['gap_to_control'], 2)} % | "
+                   f"{_stat(row['speedup_to_control_final'], 3, total=n)} |")
     return "\n".join(out)
 
 

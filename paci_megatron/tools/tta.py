@@ -130,11 +130,29 @@ def loss_at(points: Sequence[Point], x_index: int, x: float) -> Optional[float]:
     return points[-1][1]
 
 
-def mid_run_target(points: Sequence[Point], x_index: int) -> Optional[float]:
-    """The loss at half the last point's x; None for an empty curve."""
+def run_fraction_target(points: Sequence[Point], x_index: int, fraction: float
+                        ) -> Optional[float]:
+    """The loss at ``fraction`` of the last point's x (1: the final loss); None for an empty
+    curve."""
     if not points:
         return None
-    return loss_at(points, x_index, points[-1][0][x_index] / 2)
+    return loss_at(points, x_index, points[-1][0][x_index] * fraction)
+
+
+def mid_run_target(points: Sequence[Point], x_index: int) -> Optional[float]:
+    """The loss at half the last point's x; None for an empty curve."""
+    return run_fraction_target(points, x_index, 0.5)
+
+
+def interleaved_seconds_per_iteration(num_stages: int, microbatches: int, costs: Costs,
+                                      chunks: int = 2) -> Optional[float]:
+    """Megatron-Core's interleaved 1F1B with ``chunks`` virtual stages at this P and M, or
+    None where it cannot run (P < 2, or M not a multiple of P)."""
+    if num_stages < 2 or microbatches % num_stages:
+        return None
+    shape = RunShape("interleaved", num_stages, microbatches, microbatches,
+                     virtual_chunks=chunks)
+    return seconds_per_iteration(shape, costs)[1]
 
 
 def gaps_at(base: Sequence[Point], run: Sequence[Point], x_index: int,
