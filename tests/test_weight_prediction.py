@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from paci_megatron.features import weight_prediction as wp
+from paci_megatron.mcore.main_params import main_pairs
 from paci_megatron.schedule import Op, plan_stream
 from paci_megatron.shape import drift_bound, steps_in_flight
 
@@ -82,11 +83,12 @@ def test_one_step_predicted_from_the_whole_group_is_the_optimizers_step(inner_cl
         opt.step()
     opt.set_grads()
     predicted = []
-    for inner, group, model, main in wp.predictable(opt):
-        state = inner.state[main]
+    for pair in main_pairs(opt):
+        state = pair.inner.state[pair.main]
         predict = wp._adam_prediction if "exp_avg" in state else wp._sgd_prediction
-        predicted.append(predict(inner, group, state, wp._state_tensors(inner, state, main), main,
-                                 model.main_grad, 1.0, 1))
+        predicted.append(predict(pair.inner, pair.group, state,
+                                 wp._state_tensors(pair.inner, state, pair.main), pair.main,
+                                 pair.grad, 1.0, 1))
     opt.step()
     for value, (_model, main) in zip(predicted, opt.pairs()):
         torch.testing.assert_close(value, main, rtol=1e-6, atol=1e-7)
@@ -98,7 +100,8 @@ def test_d_steps_ahead_is_d_times_one_step_and_without_gradient_uses_the_moments
     opt.step()
     (model, main), = opt.pairs()
     state = opt.optimizer.state[main]
-    (inner, group, _m, _p), = wp.predictable(opt)
+    (pair,), inner = main_pairs(opt), opt.optimizer
+    group = pair.group
     one, two = (wp._adam_prediction(inner, group, state, wp._state_tensors(inner, state, main),
                                     main, None, 0.0, d) for d in (1, 2))
     torch.testing.assert_close(two - main, 2 * (one - main), rtol=0, atol=3e-7)  # fp32 ulps of main
@@ -120,16 +123,16 @@ def test_the_move_and_the_restore_are_in_place_chunked_and_exact(monkeypatch):
     opt.set_grads()
     before = [m.detach().clone() for m in opt.float16_groups[0]]
     storages = [m.data_ptr() for m in opt.float16_groups[0]]
-    wp.move_to_prediction(opt, 2, 0.5)
+    wp.move_to_prediction(main_pairs(opt), 2, 0.5)
     whole = [m.detach().clone() for m in opt.float16_groups[0]]
     assert not torch.equal(whole[0], before[0]) and torch.equal(whole[2], before[2])
     assert [m.data_ptr() for m in opt.float16_groups[0]] == storages
-    wp.restore_weights(opt)
+    wp.restore_weights(main_pairs(opt))
     assert all(torch.equal(m, b) for m, b in zip(opt.float16_groups[0], before))
     monkeypatch.setattr(wp, "MIN_CHUNK", 64)  # 300 x 7 in 33 pieces
-    wp.move_to_prediction(opt, 2, 0.5)
+    wp.move_to_prediction(main_pairs(opt), 2, 0.5)
     assert all(torch.equal(m, w) for m, w in zip(opt.float16_groups[0], whole))
-    wp.restore_weights(opt)
+    wp.restore_weights(main_pairs(opt))
     assert all(torch.equal(m, b) for m, b in zip(opt.float16_groups[0], before))
 
 
@@ -138,11 +141,11 @@ def test_an_overflowed_fp16_buffer_predicts_from_the_moments_alone():
     opt.set_grads()
     opt.step()
     (model, _main), = opt.pairs()
-    wp.move_to_prediction(opt, 1, None)
+    wp.move_to_prediction(main_pairs(opt), 1, None)
     from_moments = model.detach().clone()
-    wp.restore_weights(opt)
+    wp.restore_weights(main_pairs(opt))
     model.main_grad[0, 0] = float("inf")
-    wp.move_to_prediction(opt, 1, 1.0)
+    wp.move_to_prediction(main_pairs(opt), 1, 1.0)
     assert torch.equal(model, from_moments)
 
 
@@ -154,18 +157,22 @@ def test_an_optimizer_it_cannot_predict_or_restore_from_is_refused():
             self.optimizer = inner
 
     param = torch.nn.Parameter(torch.ones(2))
+    def check(opt):
+        wp.check_optimizer(opt, main_pairs(opt))
+
     with pytest.raises(ConfigError, match="--bf16 or --fp16"):
-        wp.check_optimizer(Plain(torch.optim.AdamW([param])))
-    wp.check_optimizer(_Mixed(torch.optim.AdamW, [(2,)]))
+        check(Plain(torch.optim.AdamW([param])))
+    check(_Mixed(torch.optim.AdamW, [(2,)]))
     with pytest.raises(ConfigError, match="AMSGrad"):
-        wp.check_optimizer(_Mixed(torch.optim.AdamW, [(2,)], amsgrad=True))
+        check(_Mixed(torch.optim.AdamW, [(2,)], amsgrad=True))
     with pytest.raises(ConfigError, match="neither"):
-        wp.check_optimizer(_Mixed(torch.optim.Adagrad, [(2,)]))
+        check(_Mixed(torch.optim.Adagrad, [(2,)]))
 
 
 @pytest.mark.parametrize("extra,message", [
     ([], "needs --bf16 or --fp16"),
-    (["--bf16", "--use-distributed-optimizer"], "--use-distributed-optimizer"),
+    (["--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
+     "--overlap-param-gather"),
     (["--bf16", "--paci-accumulation-factor", "auto"], "--paci-accumulation-factor auto"),
 ])
 def test_the_flag_is_refused_where_it_cannot_run_before_any_process_group(extra, message, capsys):
@@ -179,7 +186,9 @@ def test_the_flag_is_refused_where_it_cannot_run_before_any_process_group(extra,
         parse_and_validate(argv, world_size=2)
     assert message in capsys.readouterr().err
     mlm = dict(paci_weight_prediction=True, bf16="--bf16" in extra,
-               use_distributed_optimizer="--use-distributed-optimizer" in extra)
+               use_distributed_optimizer="--use-distributed-optimizer" in extra,
+               overlap_grad_reduce="--overlap-grad-reduce" in extra,
+               overlap_param_gather="--overlap-param-gather" in extra)
     if "auto" in extra:
         mlm["paci_accumulation_factor"] = "auto"
     with pytest.raises(ValueError, match=message.replace("-", r"\-")):

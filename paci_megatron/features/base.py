@@ -36,6 +36,10 @@ class StageContext:
     planned_drift: Callable[[int], int] = lambda mb: 0
     loss_scale: Callable[[], float] = lambda: 1.0  # what the gradient buffers are scaled by
     weights_moved: bool = False  # a hook moved the weights: the next forward refreshes caches
+    # the weights with an fp32 main copy (mcore/main_params.py), and the distributed
+    # optimizer's all-gather that completes them after a move
+    main_pairs: Callable[[], list] = lambda: []
+    gather_weights: Callable[[], None] = lambda: None
 
     def group_mean_drift(self) -> float:
         """The mean drift of the group the next step applies, weighted as its gradients are."""

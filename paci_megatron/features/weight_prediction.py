@@ -9,7 +9,9 @@ back. The prediction is linear (d times one step, as SpecTrain and FTPipe's "lin
 uses the next step's LR and weight decay from the param groups (the LR scheduler has set them
 already), and for Adam the moments with the gradient the group has gathered so far folded in
 as the step would fold the whole group's (``grad_factor`` turns the DDP buffer into that mean;
-without it the moments alone).
+without it the moments alone). With the distributed optimizer each data-parallel rank moves
+its own shard and an all-gather over the stage's data-parallel group (stage-local) completes
+the weights, once for the move and once for the restore.
 
 No copy of the weights: one piece of one parameter at a time (two fp32 temporaries), and the
 restore is exact because it is Megatron's own: the model weight cast from the optimizer's fp32
@@ -23,7 +25,8 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Iterator, Optional, Tuple
+from dataclasses import dataclass
+from typing import List, Optional
 
 from ..flag import ConfigError, Flag
 from .base import StageContext, StageFeature, sub_optimizers
@@ -56,11 +59,11 @@ class WeightPrediction(StageFeature):
                 "--paci-weight-prediction needs --bf16 or --fp16: the weights are put back "
                 "after a predicted forward from the optimizer's fp32 main copy, which fp32 "
                 "training does not keep (undoing an in-place move in fp32 is not exact)")
-        if getattr(args, "use_distributed_optimizer", False):
+        if getattr(args, "overlap_param_gather", False):
             raise ConfigError(
-                "--paci-weight-prediction does not support --use-distributed-optimizer yet "
-                "(each rank holds a shard of the optimizer state, so the prediction needs a "
-                "stage-local all-gather per predicted forward); drop one of the two")
+                "--paci-weight-prediction does not support --overlap-param-gather: the "
+                "predicted weights must be gathered before the forward that uses them, and put "
+                "back right after it; drop --overlap-param-gather")
         if getattr(args, "paci_accumulation_factor", None) == "auto":
             raise ConfigError("--paci-weight-prediction does not support "
                               "--paci-accumulation-factor auto yet; give a fixed factor")
@@ -76,7 +79,7 @@ class WeightPrediction(StageFeature):
         return {"predicted_forwards": dict(sorted(self.predicted.items()))}
 
     def on_bind(self, ctx: StageContext) -> None:
-        check_optimizer(ctx.optimizer)
+        check_optimizer(ctx.optimizer, ctx.main_pairs())
 
     def before_forward(self, ctx: StageContext, mb: int) -> None:
         steps = ctx.planned_drift(mb)
@@ -85,14 +88,16 @@ class WeightPrediction(StageFeature):
         factor = None if ctx.per_token or not self.backwards \
             else ctx.accumulation / self.backwards / ctx.loss_scale()
         with _versions_kept(ctx.params):
-            move_to_prediction(ctx.optimizer, steps, factor)
+            move_to_prediction(ctx.main_pairs(), steps, factor)
+            ctx.gather_weights()
         self.moved = ctx.weights_moved = True
         self.predicted[steps] += 1
 
     def after_forward(self, ctx: StageContext, mb: int) -> None:
         if self.moved:
             with _versions_kept(ctx.params):
-                restore_weights(ctx.optimizer)
+                restore_weights(ctx.main_pairs())
+                ctx.gather_weights()
             self.moved = False
             ctx.weights_moved = True  # the next forward's weights differ from this one's
 
@@ -114,9 +119,22 @@ def _versions_kept(params):
     return keep_version_counters(params)
 
 
-def check_optimizer(optimizer) -> None:
+@dataclass
+class MainPair:
+    """One weight the prediction can move: where its model values live (``target``, written
+    in place), its fp32 main copy (or this rank's shard of it), the matching gradient buffer
+    slice, and the optimizer and param group that step it (``mcore/main_params.py``)."""
+
+    inner: object
+    group: dict
+    target: object
+    main: object
+    grad: object = None
+    sequence_parallel: bool = False
+
+
+def check_optimizer(optimizer, pairs: List[MainPair]) -> None:
     """Adam's family or SGD, with an fp32 main copy to restore from."""
-    pairs = list(predictable(optimizer))
     if not pairs:
         raise ConfigError("--paci-weight-prediction found no parameter with an fp32 main copy "
                           "in the stage's optimizer: train with --bf16 or --fp16")
@@ -129,41 +147,33 @@ def check_optimizer(optimizer) -> None:
                 raise ConfigError("--paci-weight-prediction does not predict AMSGrad steps")
 
 
-def predictable(optimizer) -> Iterator[Tuple[object, dict, object, object]]:
-    """(inner optimizer, param group, model weight, fp32 main copy) for every weight that has
-    a main copy (Megatron's Float16OptimizerWithFloat16Params pairs them group by group)."""
-    for opt in sub_optimizers(optimizer):
-        model_of = {id(main): model
-                    for models, mains in zip(getattr(opt, "float16_groups", []),
-                                             getattr(opt, "fp32_from_float16_groups", []))
-                    for model, main in zip(models, mains)}
-        inner = opt.optimizer
-        for group in inner.param_groups:
-            for main in group["params"]:
-                model = model_of.get(id(main))
-                if model is not None:
-                    yield inner, group, model, main
-
-
-def move_to_prediction(optimizer, steps: int, grad_factor: Optional[float]) -> None:
-    """Write into each model weight its main copy ``steps`` optimizer steps ahead. A weight
-    without optimizer state yet (before its first step) stays. ``grad_factor`` times the DDP
-    gradient buffer is the group's mean gradient so far (None: use the moments alone)."""
-    for inner, group, model, main in predictable(optimizer):
-        state = inner.state.get(main)
+def move_to_prediction(pairs: List[MainPair], steps: int, grad_factor: Optional[float]) -> None:
+    """Write into each weight its main copy ``steps`` optimizer steps ahead. A weight without
+    optimizer state yet (before its first step) stays. ``grad_factor`` times the gradient
+    buffer is the group's mean gradient so far (None: use the moments alone). The distributed
+    optimizer's shards then need ``gather_weights``."""
+    for pair in pairs:
+        state = pair.inner.state.get(pair.main)
         if not state:
             continue
-        grad = getattr(model, "main_grad", None) if grad_factor else None
-        if grad is not None and getattr(model, "sequence_parallel", False):
+        grad = pair.grad if grad_factor else None
+        if pair.sequence_parallel:
             grad = None  # partial on each tensor-parallel rank until finalize: would differ
         predict = _adam_prediction if "exp_avg" in state else _sgd_prediction
-        tensors = _state_tensors(inner, state, main)
-        for part in _chunks(model.data, main, grad, *tensors.values()):
+        tensors = _state_tensors(pair.inner, state, pair.main)
+        for part in _chunks(pair.target, pair.main, grad, *tensors.values()):
             target, main_part, grad_part, *state_parts = part
-            predicted = predict(inner, group, state, dict(zip(tensors, state_parts)), main_part,
-                                grad_part, grad_factor or 0.0, steps)
+            predicted = predict(pair.inner, pair.group, state,
+                                dict(zip(tensors, state_parts)), main_part, grad_part,
+                                grad_factor or 0.0, steps)
             if predicted is not None:
                 target.copy_(predicted)
+
+
+def restore_weights(pairs: List[MainPair]) -> None:
+    """The weights as Megatron derives them from the main copies (bit for bit)."""
+    for pair in pairs:
+        pair.target.copy_(pair.main)
 
 
 # The temporaries (two fp32 pieces) are per chunk: a weight is cut into PIECES chunks of at
@@ -195,12 +205,6 @@ def _state_tensors(inner, state, main) -> dict:
         tensors = {n: (inner.get_unscaled_state(main, n) if t.dtype != main.dtype else t)
                    for n, t in tensors.items()}
     return tensors
-
-
-def restore_weights(optimizer) -> None:
-    """The model weights as Megatron derives them from the main copies (bit for bit)."""
-    for _inner, _group, model, main in predictable(optimizer):
-        model.data.copy_(main)
 
 
 def _adam_prediction(inner, group, state, moments, main, grad, factor: float, steps: int):

@@ -29,10 +29,11 @@ from megatron.core.utils import get_model_config, get_model_type
 
 from ..autograd_versions import keep_version_counters
 from ..emulate import run_global
-from ..schedule import Action, StreamPlan, plan_stream
 from ..features.weight_prediction import move_to_prediction, restore_weights
+from ..schedule import Action, StreamPlan, plan_stream
 from ..shape import StreamShape, closes_group, steps_in_flight, tied_lag
 from . import build
+from .main_params import gather_weights, main_pairs
 from .checkpoint import weights_sha256
 from .tied import grad_of, install, main_param, shared_weight
 
@@ -240,7 +241,8 @@ class PipelineEmulator:
         stage.fresh_weights = bool(ahead)
         if ahead:
             with keep_version_counters(list(model.parameters())):
-                restore_weights(stage.parts.optimizer)
+                restore_weights(main_pairs(stage.parts.optimizer))
+                gather_weights(stage.parts.optimizer)
         stage.outputs[mb] = output
         stage.fwd_version[mb] = stage.version
         if is_last and self.tied is not None:
@@ -266,7 +268,8 @@ class PipelineEmulator:
         factor = None if per_token or not done \
             else self.accumulation / done / float(optimizer.get_loss_scale())
         with keep_version_counters(list(model.parameters())):
-            move_to_prediction(optimizer, steps, factor)
+            move_to_prediction(main_pairs(optimizer), steps, factor)
+            gather_weights(optimizer)
         stage.predicted[steps] = stage.predicted.get(steps, 0) + 1
 
     def _send_f(self, stage: _Stage, mb: int) -> None:

@@ -28,7 +28,7 @@ from ..features.base import StageContext, StageFeature, sub_optimizers
 from ..plan_policy import PlanPolicy
 from ..schedule import Op, StreamPlan, check_max_drift, check_per_call
 from ..shape import closes_group, drift_bound, tied_lag
-from . import admission, param_gather
+from . import admission, main_params, param_gather
 from .grad_meta import GradMeta, grad_meta_for
 from .handlers import MegatronHandlers
 from .local_step import StepRecord
@@ -120,6 +120,8 @@ class PaciRuntime:
         self.lr_scheduler = lr_scheduler
         self.lr_increment = lr_increment
         self.ctx.optimizer = optimizer
+        self.ctx.main_pairs = lambda: main_params.main_pairs(optimizer)
+        self.ctx.gather_weights = lambda: main_params.gather_weights(optimizer)
         for feature in self.user_features:
             feature.on_bind(self.ctx)
         self._stock_grad_groups = [getattr(opt, "grad_stats_parallel_group", None)

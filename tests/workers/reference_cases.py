@@ -21,7 +21,7 @@ import torch
 from paci_megatron.adapt import Adaptive, candidates
 from paci_megatron.features import (StaleGradCorrection, StaleGradWeights, StageFeature,
                                     WeightPrediction)
-from paci_megatron.features.weight_prediction import predictable
+from paci_megatron.mcore.main_params import main_pairs
 from paci_megatron.mcore import build
 from paci_megatron.mcore.handlers import MegatronHandlers
 from paci_megatron.mcore.reference import PipelineEmulator, StageParts, weights_sha256
@@ -106,6 +106,10 @@ CASES: Dict[str, Dict] = {
     "p2_dp2_tied_bf16_predict": dict(pp=2, dp=2, a=1, n=4, calls=4, tied=True, bf16=True,
                                      dropout=0.1, predict=True),
     "p2_fp16_predict": dict(pp=2, a=2, calls=6, fp16=True, predict=True),
+    # the distributed optimizer: each rank predicts its shard, an all-gather completes it
+    "p2_dp2_distopt_bf16": dict(pp=2, dp=2, a=2, dist_opt=True, bf16=True, dropout=0.1),
+    "p2_dp2_distopt_bf16_predict": dict(pp=2, dp=2, a=2, dist_opt=True, bf16=True, dropout=0.1,
+                                        predict=True),
 }
 
 
@@ -191,8 +195,8 @@ def run_runtime(case: str, out_dir: str) -> None:
 
         def after_forward(self, ctx, mb) -> None:
             if cfg["predict"]:
-                restores.append(all(model.equal(main.to(model.dtype))
-                                    for _i, _g, model, main in predictable(parts.optimizer)))
+                restores.append(all(p.target.equal(p.main.to(p.target.dtype))
+                                    for p in main_pairs(parts.optimizer)))
 
     rt.user_features.append(Recorder())
     install_weight = MegatronHandlers.recv_tied_weight
