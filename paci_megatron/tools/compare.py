@@ -15,10 +15,12 @@ Runs one after another, then writes DIR/report.md and plots (loss against consum
 wall time and projected accelerator time):
 - per run: final and best validation loss, tokens/s, the simulator's projected time per
   iteration, peak memory and drift per stage;
-- time to accuracy: for each target loss (the baseline's final and mid-run validation loss,
-  per seed, plus ``--targets``), the samples, optimizer updates, wall time and projected
-  accelerator time at which each run's validation curve first reaches it (interpolated
-  between evaluations), and the projected time-to-accuracy speed-up over the baseline.
+- time to accuracy: for each target loss (the baseline's validation loss at 50, 75, 90 and
+  100% of its run, per seed, plus ``--targets``), the samples, optimizer updates, wall time
+  and projected accelerator time at which each run's validation curve first reaches it
+  (interpolated between evaluations), and the projected time-to-accuracy speed-up over the
+  baseline and over interleaved 1F1B;
+- with runs named ``*-long`` and a ``1f1b-long`` control: the budget comparison.
 
 The projection (``tta.py``) runs each schedule's action lists for this P and M through the
 lockstep simulator with per-action costs from ``--project-forward-ms`` /
