@@ -28,7 +28,7 @@ PP_ONLY = ["p2_a4", "p2_a2", "p2_bf16", "p2_distopt", "p2_drain_eval",
 # 2 emulator processes, 4 runtime ones
 PARALLEL = ["p2_dp2", "p2_dp2_distopt", "p2_tp2", "p2_dp2_tied", "p2_dp2_stale",
             "p2_dp2_distopt_correct", "p2_dp2_tied_bf16_predict", "p2_dp2_distopt_bf16",
-            "p2_dp2_distopt_bf16_predict"]
+            "p2_dp2_distopt_bf16_predict", "p2_tp2_bf16_predict"]
 # a loss scaler per stage; per-token loss
 PRECISION = ["p2_fp16", "p2_per_token", "p2_per_token_stale", "p2_fp16_correct",
              "p2_tied_per_token_stale", "p2_fp16_predict"]
@@ -217,7 +217,7 @@ def test_stale_gradient_correction_changes_only_steps_with_drift(case, twin, res
 
 PREDICTED = {"p4_bf16_predict": "p4_bf16", "p4_tied_bf16_predict": "p4_tied_bf16",
              "p2_dp2_tied_bf16_predict": None, "p2_fp16_predict": "p2_fp16",
-             "p2_dp2_distopt_bf16_predict": "p2_dp2_distopt_bf16"}
+             "p2_dp2_distopt_bf16_predict": "p2_dp2_distopt_bf16", "p2_tp2_bf16_predict": None}
 
 
 @pytest.mark.parametrize("case", sorted(PREDICTED))

@@ -106,6 +106,7 @@ CASES: Dict[str, Dict] = {
     "p2_dp2_tied_bf16_predict": dict(pp=2, dp=2, a=1, n=4, calls=4, tied=True, bf16=True,
                                      dropout=0.1, predict=True),
     "p2_fp16_predict": dict(pp=2, a=2, calls=6, fp16=True, predict=True),
+    "p2_tp2_bf16_predict": dict(pp=2, tp=2, a=2, bf16=True, dropout=0.1, predict=True),
     # the distributed optimizer: each rank predicts its shard, an all-gather completes it
     "p2_dp2_distopt_bf16": dict(pp=2, dp=2, a=2, dist_opt=True, bf16=True, dropout=0.1),
     "p2_dp2_distopt_bf16_predict": dict(pp=2, dp=2, a=2, dist_opt=True, bf16=True, dropout=0.1,
