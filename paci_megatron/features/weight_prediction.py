@@ -208,11 +208,11 @@ def _state_tensors(inner, state, main) -> dict:
 
 
 def _adam_prediction(inner, group, state, moments, main, grad, factor: float, steps: int):
-    """Adam/AdamW: main - steps x (the next step's update), in torch's arithmetic order."""
+    """Adam/AdamW: main - steps x (the next step's update); torch's, to fp32 rounding."""
     beta1, beta2 = group["betas"]
     lr, eps, decay = group["lr"], group["eps"], group.get("weight_decay", 0.0)
     exp_avg, exp_avg_sq = moments["exp_avg"], moments["exp_avg_sq"]
-    t = float(state["step"]) + 1
+    t = float(state["step"] if "step" in state else group.get("step", 0)) + 1  # Apex/TE: group
     if grad is not None:
         num = exp_avg.mul(beta1).add_(grad, alpha=(1 - beta1) * factor)
         den = exp_avg_sq.mul(beta2).addcmul_(grad, grad, value=(1 - beta2) * factor * factor)
@@ -224,7 +224,8 @@ def _adam_prediction(inner, group, state, moments, main, grad, factor: float, st
     num.div_(den)
     del den
     num.mul_(-steps * lr / (1 - beta1 ** t))
-    decoupled = group.get("decoupled_weight_decay", type(inner).__name__ == "AdamW")
+    decoupled = group.get("decoupled_weight_decay",
+                          getattr(inner, "adam_w_mode", type(inner).__name__ == "AdamW"))
     keep = 1 - steps * lr * decay if decoupled else 1.0
     return num.add_(main, alpha=keep)
 
