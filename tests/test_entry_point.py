@@ -27,3 +27,22 @@ def test_main_job_trains(schedule, function):
     if schedule == "paci":
         assert [row["max"] for row in summary["drift"]] == [1, 0]
         assert [row["steps"] for row in summary["drift"]] == [8, 8]
+
+
+def test_the_default_paci_reaches_the_runtime():
+    """Whatever the default is (docs/convergence.md, "Which PACI runs by default"): a run with
+    the default differs from the same run with every convergence flag at its neutral value
+    (the paper's plain PACI) exactly when the default is not plain PACI."""
+    from paci_megatron.config import paci_flags
+    from paci_megatron.features.stale_weights import DEFAULT_WEIGHT
+
+    neutral = [f for f in paci_flags() if f.name in ("--paci-stale-grad-weight",
+                                                     "--paci-stale-grad-correction")]
+    plain_flags = [x for f in neutral for x in (f.name, str(f.neutral))]
+    losses = {}
+    for name, extra in (("default", []), ("plain", plain_flags)):
+        _, out, _ = run_torchrun("pretrain_gpt_paci.py", FLAGS + ["--pipeline-schedule", "paci"]
+                                 + extra, nproc=2, timeout=180)
+        losses[name] = paci_summary(out)["losses"]
+    assert losses["default"][0] == losses["plain"][0]  # no stale micro-batch has stepped yet
+    assert (losses["default"] != losses["plain"]) == (DEFAULT_WEIGHT != 1.0)

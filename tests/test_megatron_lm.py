@@ -271,6 +271,30 @@ def test_stale_gradient_correction_trains_through_the_drop_in(stock_run, tmp_pat
 
 @pytest.mark.dist
 @needs_megatron_lm
+def test_weight_prediction_and_the_default_reach_megatron_lms_run(tmp_path):
+    """Through the drop-in, in bf16: --paci-weight-prediction is announced and changes the
+    run from its second iteration on (the first has no optimizer state to predict from);
+    the default run differs from the paper's plain PACI exactly when the default is not
+    plain PACI."""
+    from paci_megatron.features.stale_weights import DEFAULT_WEIGHT
+
+    plain = ["--pipeline-schedule", "paci", "--bf16", "--paci-stale-grad-weight", "1"]
+    runs = {"plain": plain, "predict": plain + ["--paci-weight-prediction"],
+            "default": ["--pipeline-schedule", "paci", "--bf16"]}
+    out = {}
+    for name, flags in runs.items():
+        (tmp_path / name).mkdir()
+        out[name] = _ok(flags, tmp_path / name)
+    assert "stale forwards on predicted weights" in out["predict"]
+    rows = {name: [r["loss"] for r in iterations(text)] for name, text in out.items()}
+    assert len(rows["plain"]) == 4 and rows["predict"][0] == rows["plain"][0]
+    assert rows["predict"][2:] != rows["plain"][2:]
+    assert drift(out["predict"]) == drift(out["plain"])
+    assert (rows["default"] != rows["plain"]) == (DEFAULT_WEIGHT != 1.0)
+
+
+@pytest.mark.dist
+@needs_megatron_lm
 def test_paci_accumulation_factor_and_checkpoints(stock_run, tmp_path):
     """a = 2 of 4 micro-batches: two local steps per stage and iteration; checkpoints at
     iterations 2 and 4, each after a drain."""
