@@ -31,7 +31,7 @@ PAPER=("${CORPUS[@]}" --num-layers 8 --hidden-size 512 --num-attention-heads 8 -
        --micro-batch-size 1 --global-batch-size 8 --adam-beta1 0.9
        --adam-beta2 0.95 --weight-decay 0.1 --lr-decay-style cosine --lr-warmup-iters 20
        --eval-interval 50 --eval-iters 16 --log-interval 50)
-LR=(--lr 3e-4 --min-lr 3e-5)
+LR=(--lr 3e-4 --min-lr 3e-05)  # spelled as the sweep spells it, so its 1F1B run is reused
 PLAIN="--pipeline-schedule paci --paci-stale-grad-weight 1"  # the paper's PACI
 compare() { python -m paci_megatron.tools.compare --reuse "$@"; }
 
@@ -43,6 +43,8 @@ sweep)
         "${PAPER[@]}" --lr "$lr" --min-lr "$min" --train-iters 2000
   done ;;
 select)
+  mkdir -p "$OUT/select"  # the sweep's LR 3e-4 run is the selection's 1F1B (same flags, seed)
+  for f in "$OUT"/sweep/lr3e-4/1f1b.seed1234.*; do cp -n "$f" "$OUT/select/" 2>/dev/null || true; done
   compare --schedules 1f1b --seeds 1234 --nproc-per-node 4 --out "$OUT/select" \
       --run paci-plain="$PLAIN" \
       --run paci-w0.2="--pipeline-schedule paci --paci-stale-grad-weight 0.2" \
