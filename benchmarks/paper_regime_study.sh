@@ -22,7 +22,8 @@ set -euo pipefail
 PHASE=${1:?usage: paper_regime_study.sh sweep|select|report|aggressive [OUT]}
 OUT=${2:-/tmp/paper_study}
 DATA=${DATA:-/tmp/cmp_shk}
-CANDIDATE=${CANDIDATE:-}  # report: the selection's winner, e.g. "--paci-weight-prediction"
+# report: the selection's winner (section 12: plain PACI with forward weight prediction)
+CANDIDATE=${CANDIDATE:-"--paci-stale-grad-weight 1 --paci-weight-prediction"}
 CORPUS=(--data-path "$DATA/shakespeare_text_document" --tokenizer-type SentencePieceTokenizer
         --tokenizer-model "$DATA/spm.model" --vocab-size 2000 --split 95,5,0
         --untie-embeddings-and-output-weights --bf16)
