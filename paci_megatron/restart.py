@@ -122,12 +122,18 @@ def layout_of(run: Mapping) -> Tuple:
     return tuple(run.get(attr) for attr in RESHARDABLE)
 
 
+def layout_changed(saved: Tuple, current: Tuple) -> bool:
+    """Whether a load goes into another (P, TP, DP); what the checkpoint did not record
+    counts as unchanged."""
+    return any(s is not None and s != now for s, now in zip(saved, current))
+
+
 def describe_reshard(saved: Optional[Mapping], current: Mapping) -> Optional[str]:
     """The one line a load into another parallel layout prints; None for the same layout."""
     if not saved:
         return None
     before, after = layout_of(saved), layout_of(current)
-    if all(b is None or b == a for b, a in zip(before, after)):
+    if not layout_changed(before, after):
         return None
     show = lambda layout: " ".join(f"{n}={v if v is not None else '?'}"  # noqa: E731
                                    for n, v in zip(("P", "TP", "DP"), layout))

@@ -24,7 +24,7 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-from ..restart import exit_with_parent, layout_of
+from ..restart import exit_with_parent, layout_changed, layout_of
 
 LATEST = "latest_checkpointed_iteration.txt"
 COMPLETE = "paci_complete"
@@ -331,8 +331,8 @@ def load_checkpoint(root: str, model, optimizer, lr_scheduler) -> Dict:
                               metadata=written or optimizer_format(optimizer))
     megatron_lm = _is_megatron_lm(path)
     saved = layout_of(read_extra(path).get("run") or {})
-    resharded = any(s is not None and s != now for s, now in zip(saved, _layout_now()))
-    not_mapped = NOT_MAPPED if megatron_lm else NOT_RESHARDED if resharded else ()
+    not_mapped = NOT_MAPPED if megatron_lm \
+        else NOT_RESHARDED if layout_changed(saved, _layout_now()) else ()
     if not_mapped:  # per-rank pieces: in Megatron-LM's own layout, or of another grid
         template.pop("rng_state")
         template.pop("grad_scaler", None)

@@ -335,6 +335,7 @@ def budget_rows(runs: Dict[str, List[Dict]], base_name: str, control_name: str) 
     equal samples at the end, and the projected speed-up over the control to the control's
     final loss (the longer cosine alone, which the control also has, is no speed-up)."""
     base, control = runs[base_name], runs[control_name]
+    control_hits = [tta.reach(c["curve"], c["final_val"]) for c in control]
     rows = []
     for name, seeds in runs.items():
         if not name.endswith("-long"):
@@ -344,7 +345,6 @@ def budget_rows(runs: Dict[str, List[Dict]], base_name: str, control_name: str) 
         gaps = [tta.gaps_at(c["curve"], r["curve"], X_SAMPLES, (1.0,))[0]
                 for r, c in zip(seeds, control)]
         hits = [tta.reach(r["curve"], c["final_val"]) for r, c in zip(seeds, control)]
-        control_hits = [tta.reach(c["curve"], c["final_val"]) for c in control]
         rows.append({"run": name, "budget_loss": budget,
                      "base_final": [b["final_val"] for b in base],
                      "final": [r["final_val"] for r in seeds], "gap_to_control": gaps,
