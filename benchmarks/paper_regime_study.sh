@@ -3,7 +3,10 @@
 # 8 x 512 on tinyshakespeare, bf16, AdamW (0.9, 0.95), weight decay 0.1, 2000 updates of
 # 8 sequences (a = M = 8, micro-batch 1), 1% warm-up, cosine to 0.1x.
 #
-#   bash benchmarks/paper_regime_study.sh PHASE [OUT]     (default OUT=/tmp/paper_study)
+#   bash benchmarks/paper_regime_study.sh PHASE [OUT]  (default OUT=benchmarks/results/paper_regime)
+#
+# The default OUT is in the repository so that finished runs (metrics and flags, a few KB each)
+# are committed and a later session's --reuse picks them up: the study grows run by run.
 #
 # PHASE, in order (each is a compare run with --reuse, so an interrupted phase resumes and
 # a finished one costs nothing; about 10 minutes a P=4 run on 2 idle cores):
@@ -20,7 +23,7 @@
 #       --output-prefix /tmp/cmp_shk/shakespeare --tokenizer-model /tmp/cmp_shk/spm.model --vocab-size 2000
 set -euo pipefail
 PHASE=${1:?usage: paper_regime_study.sh sweep|select|report|aggressive [OUT]}
-OUT=${2:-/tmp/paper_study}
+OUT=${2:-$(dirname "$0")/results/paper_regime}
 DATA=${DATA:-/tmp/cmp_shk}
 # report: the selection's winner (section 12: plain PACI with forward weight prediction)
 CANDIDATE=${CANDIDATE:-"--paci-stale-grad-weight 1 --paci-weight-prediction"}
@@ -54,6 +57,15 @@ select)
       -- "${PAPER[@]}" "${LR[@]}" --train-iters 2000 ;;
 report)
   [ -n "$CANDIDATE" ] || { echo "report: set CANDIDATE to the selection's flags" >&2; exit 2; }
+  # First the P=4 runs the default rule and the cool-down need, one seed at a time, so a
+  # session that stops early still leaves whole seeds; the full call below reuses them.
+  for seed in 2001 2002; do
+    compare --schedules 1f1b --seeds $seed --nproc-per-node 4 --out "$OUT/p4" \
+        --run paci-plain="$PLAIN" \
+        --run paci-candidate="--pipeline-schedule paci $CANDIDATE" \
+        --run paci-plain-cooldown200="$PLAIN --paci-cooldown-iters 200" \
+        -- "${PAPER[@]}" "${LR[@]}" --train-iters 2000
+  done
   # budget: 2000 x the projected throughput ratio (1.375 at P=4, M=8), cosine over it
   compare --schedules 1f1b,interleaved --seeds 2001,2002 --nproc-per-node 4 --out "$OUT/p4" \
       --run paci-plain="$PLAIN" \
