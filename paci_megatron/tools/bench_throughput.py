@@ -15,11 +15,10 @@ communication latency ("sim"), and again with the mean message latency and sleep
 measured in the run added ("sim+overheads"), which says how much of the gap to the ideal those
 overheads explain.
 
-Interleaved 1F1B is not measured: its virtual chunks wrap from the last stage back to the
-first and several chunks share one stage, which ``schedule.py``'s channels and the lockstep
-simulator (one clock per list) cannot express. It is reported from its closed-form time
-``(M + (P-1)/v) * (tf+tb) + step`` as "interleaved (model)", where Megatron accepts it
-(M % P == 0). The ideal is ``M(tf+tb) + step``: every stage steps once per update.
+Interleaved 1F1B is not measured (PACI's executor does not run it): it is reported as
+"interleaved (model)", Megatron-Core's order per rank timed by its dependencies at the same
+costs (``interleaved.py``; in steady state ``(M + (P-1)/v) * (tf+tb) + step``), where Megatron
+accepts it (M % P == 0). The ideal is ``M(tf+tb) + step``: every stage steps once per update.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ import json
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .. import interleaved
 from ..schedule import SEND_OPS, Action, Op, Schedule, channel, plan_stream
 from ..simulate import Costs, Event, NcclModel, run_lockstep, run_stream_nccl
 from .sleep_stages import KINDS, Bench, Span, measure
@@ -125,11 +125,12 @@ def median_run(repeats: List[List[dict]], bench: Bench) -> List[dict]:
 
 def interleaved_model(num_stages: int, microbatches: int, chunks: int,
                       bench: Bench) -> Optional[float]:
-    """Closed-form interleaved 1F1B time per update; None where Megatron refuses it."""
+    """Interleaved 1F1B's time per update, simulated from Megatron-Core's order per rank at
+    these costs; None where Megatron refuses it."""
     if chunks < 2 or microbatches % num_stages:
         return None
-    return ((microbatches + (num_stages - 1) / chunks) * (bench.forward_s + bench.backward_s)
-            + bench.step_s)
+    costs = Costs(bench.forward_s, bench.backward_s, bench.step_s)
+    return interleaved.seconds_per_iteration(num_stages, microbatches, chunks, costs)
 
 
 def summarize(num_stages: int, microbatches: int, repeats: Dict[str, List[List[dict]]],
@@ -350,8 +351,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"{tied}tf={args.forward_ms:g} ms, tb={args.backward_ms:g} ms, step={args.step_ms:g} ms, "
           f"W={bench.warmup} warm-up + K={bench.updates} timed updates per schedule, median "
           f"of {bench.repeats} repeats. "
-          f"interleaved (model) = (M + (P-1)/v)(tf+tb) with v={args.virtual_chunks}, not "
-          "measured. ideal = M(tf+tb) + step; ideal ratio = ((M+P-1)(tf+tb) + step) / ideal. "
+          f"interleaved (model) = Megatron-Core's interleaved order simulated at these costs, "
+          f"v={args.virtual_chunks}, not measured. ideal = M(tf+tb) + step; ideal ratio = ((M+P-1)(tf+tb) + step) / ideal. "
           "sim = same action lists, same costs, zero latency; sim NCCL = under NCCL's batched "
           "p2p pairing (simulate.NcclModel); sim+overheads = with the measured mean message "
           "latency and sleep overshoot added.")

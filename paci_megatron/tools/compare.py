@@ -522,8 +522,8 @@ def compare(args, train_flags: List[str]) -> int:
                 f"and M in the lockstep simulator, forward {args.project_forward_ms:.4g} ms, "
                 f"backward {args.project_backward_ms:.4g} ms, step {args.project_step_ms:.4g} ms "
                 f"per stage ({cost_source}), steady state (--paci-sync-iters iterations at 1F1B's pace; "
-                "projected s/iteration is the pace after them); interleaved from its closed "
-                "form.\n\n")
+                "projected s/iteration is the pace after them); interleaved from Megatron-Core's "
+                "order per rank, timed the same way.\n\n")
         for p in plots:
             f.write(f"![{os.path.basename(p)}]({os.path.basename(p)})\n")
     print(table)

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
+from .. import interleaved
 from ..schedule import Schedule, plan_stream
 from ..shape import local_steps, stock_iterations
 from ..simulate import Costs, run_lockstep
@@ -91,15 +92,14 @@ def seconds_per_call(kind: str, num_stages: int, accumulation: int, per_call: in
 
 def seconds_per_iteration(shape: RunShape, costs: Costs) -> Tuple[float, float]:
     """(stock 1F1B, this schedule) projected seconds per iteration. Stock 1F1B is the flush
-    list with one step per iteration; interleaved 1F1B uses its closed form
-    (M + (P-1)/v)(tf+tb) + step, as the simulator cannot express its wrap-around."""
+    list with one step per iteration; interleaved 1F1B is Megatron-Core's own order per rank,
+    timed by its dependencies (``interleaved.py``)."""
     P, M = shape.num_stages, shape.microbatches
     flush = seconds_per_call("flush", P, M, M, costs)
     if shape.schedule == "paci":
         return flush, seconds_per_call("paci", P, shape.accumulation, M, costs)
     if shape.schedule == "interleaved":
-        v = shape.virtual_chunks
-        return flush, (M + (P - 1) / v) * (costs.forward + costs.backward) + costs.step
+        return flush, interleaved.seconds_per_iteration(P, M, shape.virtual_chunks, costs)
     return flush, flush
 
 
