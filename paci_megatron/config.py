@@ -123,7 +123,8 @@ class PaciConfig:
     adapt_policy: str = "staleness"
     stale_grad_weight: float = 1.0
     stale_grad_correction: float = 0.0
-    weight_prediction: bool = False  # --paci-weight-prediction
+    weight_prediction: bool = False  # --paci-weight-prediction, or its default
+    prediction_off: str = ""  # why the default prediction is off for this run ("": it is not)
 
     @property
     def accumulation(self) -> int:
@@ -179,7 +180,7 @@ def resolve(args, layout: Layout) -> PaciConfig:
         drain_before_eval=bool(args.paci_drain_before_eval), **adapt,
         stale_grad_weight=_resolved(args.paci_stale_grad_weight, _default_weight()),
         stale_grad_correction=_resolved(args.paci_stale_grad_correction, _default_strength()),
-        weight_prediction=bool(getattr(args, "paci_weight_prediction", False)))
+        **_prediction(args))
     check_plans(cfg, layout)
     return cfg
 
@@ -200,6 +201,13 @@ def _cooldown_start(args, layout: Layout) -> Optional[int]:
 
 def _resolved(value, default):
     return default if value is None else value
+
+
+def _prediction(args) -> dict:
+    from .features.weight_prediction import prediction_setting
+
+    on, why = prediction_setting(args)
+    return dict(weight_prediction=on, prediction_off=why)
 
 
 def _default_weight() -> float:

@@ -83,6 +83,7 @@ class Flag:
     choices: Optional[Sequence[str]] = None
     metavar: Optional[str] = None
     switch: bool = False  # store_true
+    negatable: bool = False  # --name and --no-name; None when neither is given (the default)
     hidden: bool = False  # left out of --help (a test hook)
     neutral: Any = None
     extra: Dict[str, Any] = field(default_factory=dict)
@@ -96,6 +97,8 @@ class Flag:
                                   "default": self.default if default is None else default}
         if self.switch:
             kwargs["action"] = "store_true"
+        elif self.negatable:
+            kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs.update(type=self.type, choices=self.choices, metavar=self.metavar)
         kwargs.update(self.extra)

@@ -8,6 +8,7 @@ import json
 import time
 from typing import Dict, List, Optional
 
+from .features.weight_prediction import default_off_line
 from .mcore import build
 from .mcore import runtime as mcore_runtime
 from .restart import trim_metrics
@@ -153,6 +154,8 @@ def log_start(job) -> None:
         + (f", stock 1F1B from iteration {opts.shape.cooldown_start + 1} on "
            "(--paci-cooldown-iters)" if opts.shape.cooldown_start is not None else "")
         + (f", {features}" if features else ""))
+    if opts.prediction_off:
+        log(default_off_line(opts.prediction_off))
 
 
 def log_final_drift(dropped: int, drift: List[Dict]) -> None:

@@ -38,6 +38,7 @@ from typing import List, Optional, Sequence
 from .autograd_versions import ZERO_CENTERED_GAMMA
 from .config import (Layout, PaciConfig, add_paci_arguments, rampup_micro_batches,
                      refuse_paci_flags, resolve)
+from .features.weight_prediction import default_off_line
 from .flag import ConfigError
 from .quiet import fallback_notice
 from .restart import restart_count
@@ -171,6 +172,8 @@ def make_runtime(margs, num_microbatches: int, optimizer, scheduler):
                  if shape.cooldown_start is not None else "")
               + (f", {runtime.describe()}" if runtime.describe() else ", plain PACI"),
               flush=True)
+        if cfg.prediction_off:
+            print(default_off_line(cfg.prediction_off), flush=True)
     return runtime
 
 

@@ -24,25 +24,47 @@ def test_main_job_trains(schedule, function):
     losses = summary["losses"]
     assert len(losses) == 8 and losses[-1] < losses[0]
     assert sum(l.startswith(" iteration ") for l in out.splitlines()) == 8
-    if schedule == "paci":
+    if schedule == "paci":  # fp32: no main copy to restore a prediction from
+        from paci_megatron.features.weight_prediction import DEFAULT_PREDICTION
+        assert ("weight prediction (on by default) is off for this run: it needs --bf16 or "
+                "--fp16" in out) == DEFAULT_PREDICTION
         assert [row["max"] for row in summary["drift"]] == [1, 0]
         assert [row["steps"] for row in summary["drift"]] == [8, 8]
+
+
+CONVERGENCE_FLAGS = ("--paci-stale-grad-weight", "--paci-stale-grad-correction",
+                     "--paci-weight-prediction")
+
+
+def plain_paci_flags():
+    """Every convergence flag at its neutral value: the paper's plain PACI."""
+    from paci_megatron.config import paci_flags
+
+    flags = []
+    for f in paci_flags():
+        if f.name in CONVERGENCE_FLAGS:
+            flags += ["--no-" + f.name[2:]] if f.negatable else [f.name, str(f.neutral)]
+    return flags
+
+
+def default_is_plain_paci() -> bool:
+    from paci_megatron.features.stale_correction import DEFAULT_STRENGTH
+    from paci_megatron.features.stale_weights import DEFAULT_WEIGHT
+    from paci_megatron.features.weight_prediction import DEFAULT_PREDICTION
+
+    return DEFAULT_WEIGHT == 1.0 and DEFAULT_STRENGTH == 0.0 and not DEFAULT_PREDICTION
 
 
 def test_the_default_paci_reaches_the_runtime():
     """Whatever the default is (docs/convergence.md, "Which PACI runs by default"): a run with
     the default differs from the same run with every convergence flag at its neutral value
-    (the paper's plain PACI) exactly when the default is not plain PACI."""
-    from paci_megatron.config import paci_flags
-    from paci_megatron.features.stale_weights import DEFAULT_WEIGHT
-
-    neutral = [f for f in paci_flags() if f.name in ("--paci-stale-grad-weight",
-                                                     "--paci-stale-grad-correction")]
-    plain_flags = [x for f in neutral for x in (f.name, str(f.neutral))]
+    (the paper's plain PACI) exactly when the default is not plain PACI. bf16, where the
+    default can predict."""
     losses = {}
-    for name, extra in (("default", []), ("plain", plain_flags)):
-        _, out, _ = run_torchrun("pretrain_gpt_paci.py", FLAGS + ["--pipeline-schedule", "paci"]
-                                 + extra, nproc=2, timeout=180)
+    for name, extra in (("default", []), ("plain", plain_paci_flags())):
+        _, out, _ = run_torchrun("pretrain_gpt_paci.py", FLAGS + ["--pipeline-schedule", "paci",
+                                                                  "--bf16"] + extra,
+                                 nproc=2, timeout=180)
         losses[name] = paci_summary(out)["losses"]
     assert losses["default"][0] == losses["plain"][0]  # no stale micro-batch has stepped yet
-    assert (losses["default"] != losses["plain"]) == (DEFAULT_WEIGHT != 1.0)
+    assert (losses["default"] != losses["plain"]) == (not default_is_plain_paci())

@@ -276,10 +276,10 @@ def test_weight_prediction_and_the_default_reach_megatron_lms_run(tmp_path):
     run from its second iteration on (the first has no optimizer state to predict from);
     the default run differs from the paper's plain PACI exactly when the default is not
     plain PACI."""
-    from paci_megatron.features.stale_weights import DEFAULT_WEIGHT
+    from test_entry_point import default_is_plain_paci, plain_paci_flags
 
-    plain = ["--pipeline-schedule", "paci", "--bf16", "--paci-stale-grad-weight", "1"]
-    runs = {"plain": plain, "predict": plain + ["--paci-weight-prediction"],
+    plain = ["--pipeline-schedule", "paci", "--bf16", *plain_paci_flags()]
+    runs = {"plain": plain, "predict": [*plain[:3], "--paci-weight-prediction"],
             "default": ["--pipeline-schedule", "paci", "--bf16"]}
     out = {}
     for name, flags in runs.items():
@@ -290,7 +290,7 @@ def test_weight_prediction_and_the_default_reach_megatron_lms_run(tmp_path):
     assert len(rows["plain"]) == 4 and rows["predict"][0] == rows["plain"][0]
     assert rows["predict"][2:] != rows["plain"][2:]
     assert drift(out["predict"]) == drift(out["plain"])
-    assert (rows["default"] != rows["plain"]) == (DEFAULT_WEIGHT != 1.0)
+    assert (rows["default"] != rows["plain"]) == (not default_is_plain_paci())
 
 
 @pytest.mark.dist

@@ -15,7 +15,8 @@ FLAGS = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "
          "--vocab-size", "4000", "--train-iters", "3", "--log-interval", "3",
          "--untie-embeddings-and-output-weights", "--measure-memory",
          "--measure-activation-memory", "--bf16"]
-RUNS = {"1f1b": ["--pipeline-schedule", "1f1b"], "paci": ["--pipeline-schedule", "paci"],
+RUNS = {"1f1b": ["--pipeline-schedule", "1f1b"],
+        "paci": ["--pipeline-schedule", "paci", "--no-paci-weight-prediction"],
         "paci-predict": ["--pipeline-schedule", "paci", "--paci-weight-prediction"]}
 
 

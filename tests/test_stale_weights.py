@@ -97,7 +97,7 @@ def assert_refused_by_both_entry_points(argv, message, capsys):
                                                **{dest: float(argv[-1])}))
 
 
-def test_paci_weighs_by_default_and_plain_paci_is_one_flag_away():
+def test_paci_does_not_weigh_by_default_and_the_weights_are_one_flag_away():
     from paci_megatron.arguments import parse_and_validate
     from paci_megatron.features.stale_weights import DEFAULT_WEIGHT
 
@@ -107,8 +107,8 @@ def test_paci_weighs_by_default_and_plain_paci_is_one_flag_away():
                                          world_size=2)
         return opts.stale_grad_weight
 
-    assert DEFAULT_WEIGHT < 1.0
+    assert DEFAULT_WEIGHT == 1.0  # the paper-regime study (docs/convergence.md)
     assert weight() == DEFAULT_WEIGHT
-    assert weight("--paci-stale-grad-weight", "1") == 1.0  # the paper's plain PACI
+    assert weight("--paci-stale-grad-weight", "0.2") == 0.2
     assert weight("--paci-stale-grad-weight", "0.5") == 0.5
     assert weight("--pipeline-schedule", "1f1b") == 1.0

@@ -195,18 +195,53 @@ def test_the_flag_is_refused_where_it_cannot_run_before_any_process_group(extra,
         paci_run.validate_flags(megatron_lm_args(**mlm))
 
 
-def test_the_flag_reaches_the_runtime_off_by_default_and_never_under_1f1b(capsys):
+def _resolved(*argv):
     from paci_megatron.arguments import parse_and_validate
+
+    _args, opts = parse_and_validate(["--pipeline-model-parallel-size", "2",
+                                      "--untie-embeddings-and-output-weights", *argv],
+                                     world_size=2)
+    return opts
+
+
+def test_the_flag_reaches_the_runtime_as_given_or_by_default_and_never_under_1f1b(capsys):
     from paci_megatron.features import build_features
 
     def features(*argv):
-        _args, opts = parse_and_validate(["--pipeline-model-parallel-size", "2", "--bf16",
-                                          "--untie-embeddings-and-output-weights", *argv],
-                                         world_size=2)
-        return [type(f).__name__ for f in build_features(opts)]
+        return [type(f).__name__ for f in build_features(_resolved("--bf16", *argv))]
 
-    assert "WeightPrediction" not in features()
+    assert ("WeightPrediction" in features()) == wp.DEFAULT_PREDICTION
     assert "WeightPrediction" in features("--paci-weight-prediction")
+    assert "WeightPrediction" not in features("--no-paci-weight-prediction")  # the paper's
+    assert features("--pipeline-schedule", "1f1b", "--no-paci-weight-prediction") == []
     with pytest.raises(SystemExit):
         features("--pipeline-schedule", "1f1b", "--paci-weight-prediction")
     assert "only applies" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra,why", [
+    ([], "needs --bf16 or --fp16"),
+    (["--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
+     "--overlap-param-gather"),
+    (["--fp16", "--paci-accumulation-factor", "auto"], "--paci-accumulation-factor auto"),
+])
+def test_the_default_stays_off_where_the_run_cannot_predict_and_says_why(extra, why):
+    opts = _resolved(*extra)
+    assert not opts.weight_prediction
+    assert (why in opts.prediction_off) == wp.DEFAULT_PREDICTION
+    line = wp.default_off_line(opts.prediction_off)
+    assert line.startswith("> PACI: weight prediction (on by default) is off") and why in line
+
+
+def test_the_default_is_on_in_bf16_and_fp16_and_under_the_drop_in():
+    from launch import megatron_lm_args
+    from paci_megatron import run as paci_run
+
+    for precision in ("--bf16", "--fp16"):
+        opts = _resolved(precision)
+        assert (opts.weight_prediction, opts.prediction_off) == (wp.DEFAULT_PREDICTION, "")
+    resolved = paci_run.validate_flags(megatron_lm_args(bf16=True))
+    assert resolved.weight_prediction == wp.DEFAULT_PREDICTION
+    other = paci_run.validate_flags(megatron_lm_args(bf16=True, optimizer="muon"))
+    assert not other.weight_prediction
+    assert ("--optimizer muon" in other.prediction_off) == wp.DEFAULT_PREDICTION

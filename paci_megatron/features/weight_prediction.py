@@ -17,8 +17,9 @@ No copy of the weights: one piece of one parameter at a time (two fp32 temporari
 restore is exact because it is Megatron's own: the model weight cast from the optimizer's fp32
 main copy, which the prediction never touches. That copy exists under --bf16 and --fp16 only;
 in fp32 the weight is the optimizer's tensor and no in-place move can be undone bit for bit
-without a copy, so fp32 is refused. Parameters a mixed-precision optimizer keeps in fp32
-without a main copy are left where they are.
+without a copy, so there the default leaves the prediction off (the start-up line says why)
+and the flag is refused. Parameters a mixed-precision optimizer keeps in fp32 without a main
+copy are left where they are.
 """
 
 from __future__ import annotations
@@ -26,17 +27,58 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from ..flag import ConfigError, Flag
 from .base import StageContext, StageFeature, sub_optimizers
 
+# On by default under --pipeline-schedule paci wherever the run's flags allow it (the paper-
+# regime study's decision: docs/convergence.md, "Which PACI runs by default");
+# --no-paci-weight-prediction is the paper's plain PACI.
+DEFAULT_PREDICTION = True
+
 PREDICTION_FLAG = Flag(
-    "--paci-weight-prediction", switch=True, neutral=False,
+    "--paci-weight-prediction", negatable=True, neutral=False,
     help="before a forward whose backward comes after d local steps of its stage, move the "
          "stage's weights in place to the optimizer's prediction d steps ahead, and back after "
-         "it (exact, from the fp32 main params: needs --bf16 or --fp16); off by default: the "
-         "paper's PACI runs every forward on the current weights")
+         "it (exact, from the fp32 main params: needs --bf16 or --fp16). On by default where "
+         "the run allows it; --no-paci-weight-prediction runs the paper's plain PACI, every "
+         "forward on the current weights")
+
+
+def unsupported(args) -> str:
+    """Why this run's flags rule the prediction out, with the fix ("" when they do not)."""
+    if not (getattr(args, "bf16", False) or getattr(args, "fp16", False)):
+        return ("needs --bf16 or --fp16: the weights are put back after a predicted forward "
+                "from the optimizer's fp32 main copy, which fp32 training does not keep "
+                "(undoing an in-place move in fp32 is not exact)")
+    if getattr(args, "overlap_param_gather", False):
+        return ("does not support --overlap-param-gather: the predicted weights must be "
+                "gathered before the forward that uses them, and put back right after it; "
+                "drop --overlap-param-gather")
+    if getattr(args, "paci_accumulation_factor", None) == "auto":
+        return "does not support --paci-accumulation-factor auto yet; give a fixed factor"
+    if getattr(args, "optimizer", "adam") not in ("adam", "sgd"):
+        return f"predicts Adam's and SGD's steps only, not --optimizer {args.optimizer}"
+    return ""
+
+
+def prediction_setting(args) -> Tuple[bool, str]:
+    """(on, why the default is off for this run): the flag where it is given, else the
+    default where the run's flags allow it."""
+    asked = getattr(args, PREDICTION_FLAG.dest, None)
+    if asked is not None:
+        return bool(asked), ""
+    if not DEFAULT_PREDICTION:
+        return False, ""
+    why = unsupported(args)
+    return not why, why
+
+
+def default_off_line(why: str) -> str:
+    """The start-up line of a run whose flags turn the default prediction off."""
+    return (f"> PACI: weight prediction (on by default) is off for this run: it {why}; "
+            "this is the paper's plain PACI")
 
 
 class WeightPrediction(StageFeature):
@@ -52,21 +94,10 @@ class WeightPrediction(StageFeature):
 
     @staticmethod
     def check(args, layout) -> None:
-        if not getattr(args, PREDICTION_FLAG.dest, False):
-            return
-        if not (getattr(args, "bf16", False) or getattr(args, "fp16", False)):
-            raise ConfigError(
-                "--paci-weight-prediction needs --bf16 or --fp16: the weights are put back "
-                "after a predicted forward from the optimizer's fp32 main copy, which fp32 "
-                "training does not keep (undoing an in-place move in fp32 is not exact)")
-        if getattr(args, "overlap_param_gather", False):
-            raise ConfigError(
-                "--paci-weight-prediction does not support --overlap-param-gather: the "
-                "predicted weights must be gathered before the forward that uses them, and put "
-                "back right after it; drop --overlap-param-gather")
-        if getattr(args, "paci_accumulation_factor", None) == "auto":
-            raise ConfigError("--paci-weight-prediction does not support "
-                              "--paci-accumulation-factor auto yet; give a fixed factor")
+        if getattr(args, PREDICTION_FLAG.dest, None):
+            why = unsupported(args)
+            if why:
+                raise ConfigError(f"--paci-weight-prediction {why}")
 
     @classmethod
     def from_config(cls, cfg) -> Optional["WeightPrediction"]:
