@@ -26,7 +26,7 @@ PHASE=${1:?usage: paper_regime_study.sh sweep|select|report|aggressive [OUT]}
 OUT=${2:-$(dirname "$0")/results/paper_regime}
 DATA=${DATA:-/tmp/cmp_shk}
 # report: the selection's winner (section 12: plain PACI with forward weight prediction)
-CANDIDATE=${CANDIDATE:-"--paci-stale-grad-weight 1 --paci-weight-prediction"}
+CANDIDATE=${CANDIDATE:-"--paci-stale-grad-weight 1 --paci-weight-prediction"}  # = $PREDICT
 CORPUS=(--data-path "$DATA/shakespeare_text_document" --tokenizer-type SentencePieceTokenizer
         --tokenizer-model "$DATA/spm.model" --vocab-size 2000 --split 95,5,0
         --untie-embeddings-and-output-weights --bf16)
@@ -36,7 +36,9 @@ PAPER=("${CORPUS[@]}" --num-layers 8 --hidden-size 512 --num-attention-heads 8 -
        --adam-beta2 0.95 --weight-decay 0.1 --lr-decay-style cosine --lr-warmup-iters 20
        --eval-interval 50 --eval-iters 16 --log-interval 50)
 LR=(--lr 3e-4 --min-lr 3e-05)  # spelled as the sweep spells it, so its 1F1B run is reused
-PLAIN="--pipeline-schedule paci --paci-stale-grad-weight 1"  # the paper's PACI
+# the paper's PACI: no weights, no prediction (both were defaults once; spelled out for reuse)
+PLAIN="--pipeline-schedule paci --paci-stale-grad-weight 1 --no-paci-weight-prediction"
+PREDICT="--pipeline-schedule paci --paci-stale-grad-weight 1 --paci-weight-prediction"
 compare() { python -m paci_megatron.tools.compare --reuse "$@"; }
 
 case "$PHASE" in
@@ -51,8 +53,8 @@ select)
   for f in "$OUT"/sweep/lr3e-4/1f1b.seed1234.*; do cp -n "$f" "$OUT/select/" 2>/dev/null || true; done
   compare --schedules 1f1b --seeds 1234 --nproc-per-node 4 --out "$OUT/select" \
       --run paci-plain="$PLAIN" \
-      --run paci-w0.2="--pipeline-schedule paci --paci-stale-grad-weight 0.2" \
-      --run paci-predict="$PLAIN --paci-weight-prediction" \
+      --run paci-w0.2="--pipeline-schedule paci --paci-stale-grad-weight 0.2 --no-paci-weight-prediction" \
+      --run paci-predict="$PREDICT" \
       --run paci-k4000="$PLAIN --paci-stale-grad-correction 4000" \
       -- "${PAPER[@]}" "${LR[@]}" --train-iters 2000 ;;
 report)
@@ -82,8 +84,8 @@ report)
 aggressive)
   compare --schedules 1f1b --seeds 1234,1235 --nproc-per-node 4 --out "$OUT/aggressive" \
       --run paci-plain="$PLAIN" \
-      --run paci-w0.2="--pipeline-schedule paci --paci-stale-grad-weight 0.2" \
-      --run paci-predict="$PLAIN --paci-weight-prediction" \
+      --run paci-w0.2="--pipeline-schedule paci --paci-stale-grad-weight 0.2 --no-paci-weight-prediction" \
+      --run paci-predict="$PREDICT" \
       -- "${CORPUS[@]}" --num-layers 4 --hidden-size 64 --num-attention-heads 4 \
       --seq-length 64 --micro-batch-size 2 --global-batch-size 16 --lr 2e-3 --min-lr 2e-4 \
       --lr-decay-style cosine --lr-warmup-iters 50 --train-iters 1000 --eval-interval 50 \
