@@ -149,7 +149,8 @@ def _batches(job: Job, dataset, start: int):
     from .mcore import data
 
     if not (job.info["is_first"] or job.info["is_last"]):
-        return None
+        # Megatron-Core's interleaved schedule wants one entry per model chunk on every rank
+        return [None] * len(job.model) if len(job.model) > 1 else None
 
     def batches():
         return data.gpt_batches(dataset, job.args.micro_batch_size, start_sample=start,

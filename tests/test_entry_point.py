@@ -68,3 +68,18 @@ def test_the_default_paci_reaches_the_runtime():
         losses[name] = paci_summary(out)["losses"]
     assert losses["default"][0] == losses["plain"][0]  # no stale micro-batch has stepped yet
     assert (losses["default"] != losses["plain"]) == (not default_is_plain_paci())
+
+
+def test_interleaved_runs_with_middle_stages():
+    """Megatron-Core's interleaved 1F1B at P=4 (v=2): the middle ranks hold no data but still
+    hand the schedule one (empty) iterator per model chunk."""
+    _, out, _ = run_torchrun("pretrain_gpt_paci.py", [
+        "--pipeline-schedule", "interleaved", "--num-layers", "8",
+        "--num-layers-per-virtual-pipeline-stage", "1", "--hidden-size", "32",
+        "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
+        "--global-batch-size", "8", "--train-iters", "4", "--log-interval", "1",
+        "--eval-interval", "2", "--eval-iters", "1", "--untie-embeddings-and-output-weights"],
+        nproc=4, timeout=180)
+    assert "forward_backward_pipelining_with_interleaving" in out
+    summary = paci_summary(out)
+    assert len(summary["losses"]) == 4 and summary["validation_loss"] is not None
