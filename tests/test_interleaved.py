@@ -83,3 +83,13 @@ def test_the_order_is_megatron_cores(P, M, v):
         assert interleaved.warmup_forwards(P, rank, M, v, P) == warm
         order = rank_order(P, rank, M, v)
         assert all(a.op == "F" for a in order[:warm]) and order[warm + 1].op == "B"
+
+
+def test_the_throughput_benchmark_reports_the_projections_interleaved_time():
+    from paci_megatron.tools.bench_throughput import interleaved_model
+    from paci_megatron.tools.sleep_stages import Bench
+
+    bench = Bench(0.001, 0.002, 0.0005, warmup=1, updates=1, tensor_side=1, timeout_s=1.0)
+    assert interleaved_model(4, 8, 2, bench) == pytest.approx(28.5e-3 + 0.5e-3, abs=1e-12)
+    assert interleaved_model(4, 8, 1, bench) is None  # no virtual chunks
+    assert interleaved_model(4, 6, 2, bench) is None  # M not a multiple of P

@@ -28,9 +28,9 @@ import json
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .. import interleaved
 from ..schedule import SEND_OPS, Action, Op, Schedule, channel, plan_stream
 from ..simulate import Costs, Event, NcclModel, run_lockstep, run_stream_nccl
+from . import tta
 from .sleep_stages import KINDS, Bench, Span, measure
 
 COMPUTE_NAMES = {Op.FORWARD: "compute", Op.BACKWARD: "compute", Op.STEP: "step"}
@@ -125,12 +125,12 @@ def median_run(repeats: List[List[dict]], bench: Bench) -> List[dict]:
 
 def interleaved_model(num_stages: int, microbatches: int, chunks: int,
                       bench: Bench) -> Optional[float]:
-    """Interleaved 1F1B's time per update, simulated from Megatron-Core's order per rank at
-    these costs; None where Megatron refuses it."""
-    if chunks < 2 or microbatches % num_stages:
+    """Interleaved 1F1B's time per update at these costs (the projection's own:
+    ``tta.interleaved_seconds_per_iteration``); None where Megatron refuses it."""
+    if chunks < 2:
         return None
     costs = Costs(bench.forward_s, bench.backward_s, bench.step_s)
-    return interleaved.seconds_per_iteration(num_stages, microbatches, chunks, costs)
+    return tta.interleaved_seconds_per_iteration(num_stages, microbatches, costs, chunks)
 
 
 def summarize(num_stages: int, microbatches: int, repeats: Dict[str, List[List[dict]]],
@@ -352,7 +352,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"W={bench.warmup} warm-up + K={bench.updates} timed updates per schedule, median "
           f"of {bench.repeats} repeats. "
           f"interleaved (model) = Megatron-Core's interleaved order simulated at these costs, "
-          f"v={args.virtual_chunks}, not measured. ideal = M(tf+tb) + step; ideal ratio = ((M+P-1)(tf+tb) + step) / ideal. "
+          f"v={args.virtual_chunks}, not measured. ideal = M(tf+tb) + step; ideal ratio = "
+          "((M+P-1)(tf+tb) + step) / ideal. "
           "sim = same action lists, same costs, zero latency; sim NCCL = under NCCL's batched "
           "p2p pairing (simulate.NcclModel); sim+overheads = with the measured mean message "
           "latency and sleep overshoot added.")
