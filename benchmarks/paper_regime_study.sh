@@ -12,9 +12,12 @@
 # a finished one costs nothing; about 10 minutes a P=4 run on 2 idle cores):
 #   sweep       1F1B at LR 1e-4, 3e-4, 1e-3, seed 1234: is 3e-4 about the best for this model?
 #   select      seed 1234, P=4: 1F1B, plain PACI, W=0.2, prediction, the correction K=4000
-#   report      seeds 2001, 2002, P=4 and P=8: 1F1B, interleaved (P=4), plain PACI, the
-#               candidate (CANDIDATE, the flags the selection chose), plain PACI with a 200-
-#               iteration 1F1B cool-down (P=4), and the budget comparison with its control
+#   report      p4, p8 and budget below, in that order (seeds 2001, 2002)
+#   p4          P=4: 1F1B, interleaved, plain PACI, the candidate (CANDIDATE, the flags the
+#               selection chose), plain PACI with a 200-iteration 1F1B cool-down
+#   p8          P=8 (8 processes): 1F1B, plain PACI, the candidate
+#   budget      P=4, 2750 updates (the throughput ratio x 2000): 1F1B (the control), plain
+#               PACI, the candidate
 #   aggressive  the earlier study's regime (4 x 64, LR 2e-3, 1000 updates) in bf16, seeds
 #               1234 and 1235: 1F1B, plain PACI, W=0.2, prediction
 #
@@ -22,7 +25,7 @@
 #   python -m paci_megatron.tools.preprocess_data --input ../shared/data/tinyshakespeare.txt \
 #       --output-prefix /tmp/cmp_shk/shakespeare --tokenizer-model /tmp/cmp_shk/spm.model --vocab-size 2000
 set -euo pipefail
-PHASE=${1:?usage: paper_regime_study.sh sweep|select|report|aggressive [OUT]}
+PHASE=${1:?usage: paper_regime_study.sh sweep|select|report|p4|p8|budget|aggressive [OUT]}
 OUT=${2:-$(dirname "$0")/results/paper_regime}
 DATA=${DATA:-/tmp/cmp_shk}
 # report: the selection's winner (section 12: plain PACI with forward weight prediction)
@@ -57,30 +60,40 @@ select)
       --run paci-predict="$PREDICT" \
       --run paci-k4000="$PLAIN --paci-stale-grad-correction 4000" \
       -- "${PAPER[@]}" "${LR[@]}" --train-iters 2000 ;;
-report)
-  [ -n "$CANDIDATE" ] || { echo "report: set CANDIDATE to the selection's flags" >&2; exit 2; }
-  # First the P=4 runs the default rule and the cool-down need, one seed at a time, so a
-  # session that stops early still leaves whole seeds; the full call below reuses them.
+report)  # the three report parts below, in this order
+  for part in p4 p8 budget; do bash "$0" "$part" "$OUT"; done ;;
+p4)
+  [ -n "$CANDIDATE" ] || { echo "p4: set CANDIDATE to the selection's flags" >&2; exit 2; }
+  # one seed at a time, so a session that stops early still leaves whole seeds
   for seed in 2001 2002; do
-    compare --schedules 1f1b --seeds $seed --nproc-per-node 4 --out "$OUT/p4" \
+    compare --schedules 1f1b,interleaved --seeds $seed --nproc-per-node 4 --out "$OUT/p4" \
         --run paci-plain="$PLAIN" \
         --run paci-candidate="--pipeline-schedule paci $CANDIDATE" \
         --run paci-plain-cooldown200="$PLAIN --paci-cooldown-iters 200" \
         -- "${PAPER[@]}" "${LR[@]}" --train-iters 2000
-  done
-  # budget: 2000 x the projected throughput ratio (1.375 at P=4, M=8), cosine over it
-  compare --schedules 1f1b,interleaved --seeds 2001,2002 --nproc-per-node 4 --out "$OUT/p4" \
-      --run paci-plain="$PLAIN" \
-      --run paci-candidate="--pipeline-schedule paci $CANDIDATE" \
-      --run paci-plain-cooldown200="$PLAIN --paci-cooldown-iters 200" \
-      --run 1f1b-long="--pipeline-schedule 1f1b --train-iters 2750" \
-      --run paci-plain-long="$PLAIN --train-iters 2750" \
-      --run paci-candidate-long="--pipeline-schedule paci $CANDIDATE --train-iters 2750" \
-      -- "${PAPER[@]}" "${LR[@]}" --train-iters 2000
-  compare --schedules 1f1b --seeds 2001,2002 --nproc-per-node 8 --out "$OUT/p8" \
-      --run paci-plain="$PLAIN" \
-      --run paci-candidate="--pipeline-schedule paci $CANDIDATE" \
-      -- "${PAPER[@]}" "${LR[@]}" --train-iters 2000 ;;
+  done ;;
+p8)
+  [ -n "$CANDIDATE" ] || { echo "p8: set CANDIDATE to the selection's flags" >&2; exit 2; }
+  # interleaved (v=2) needs 16 layers at P=8: the report projects it from 1F1B's curve instead
+  for seed in 2001 2002; do
+    compare --schedules 1f1b --seeds $seed --nproc-per-node 8 --out "$OUT/p8" \
+        --run paci-plain="$PLAIN" \
+        --run paci-candidate="--pipeline-schedule paci $CANDIDATE" \
+        -- "${PAPER[@]}" "${LR[@]}" --train-iters 2000
+  done ;;
+budget)
+  # 2000 x the projected throughput ratio (1.375 at P=4, M=8), cosine over it; 1f1b-long is
+  # the control (the longer cosine alone). The full P=4 call, so the report holds every run.
+  for seeds in 2001 2001,2002; do
+    compare --schedules 1f1b,interleaved --seeds $seeds --nproc-per-node 4 --out "$OUT/p4" \
+        --run paci-plain="$PLAIN" \
+        --run paci-candidate="--pipeline-schedule paci $CANDIDATE" \
+        --run paci-plain-cooldown200="$PLAIN --paci-cooldown-iters 200" \
+        --run 1f1b-long="--pipeline-schedule 1f1b --train-iters 2750" \
+        --run paci-plain-long="$PLAIN --train-iters 2750" \
+        --run paci-candidate-long="--pipeline-schedule paci $CANDIDATE --train-iters 2750" \
+        -- "${PAPER[@]}" "${LR[@]}" --train-iters 2000
+  done ;;
 aggressive)
   compare --schedules 1f1b --seeds 1234,1235 --nproc-per-node 4 --out "$OUT/aggressive" \
       --run paci-plain="$PLAIN" \
@@ -90,5 +103,5 @@ aggressive)
       --seq-length 64 --micro-batch-size 2 --global-batch-size 16 --lr 2e-3 --min-lr 2e-4 \
       --lr-decay-style cosine --lr-warmup-iters 50 --train-iters 1000 --eval-interval 50 \
       --eval-iters 8 --log-interval 10 ;;
-*) echo "unknown phase $PHASE: sweep, select, report or aggressive" >&2; exit 2 ;;
+*) echo "unknown phase $PHASE: sweep, select, report (p4, p8, budget) or aggressive" >&2; exit 2 ;;
 esac
