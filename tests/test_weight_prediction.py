@@ -245,3 +245,31 @@ def test_the_default_is_on_in_bf16_and_fp16_and_under_the_drop_in():
     other = paci_run.validate_flags(megatron_lm_args(bf16=True, optimizer="muon"))
     assert not other.weight_prediction
     assert ("--optimizer muon" in other.prediction_off) == wp.DEFAULT_PREDICTION
+
+
+@pytest.mark.parametrize("weight", [1.0, 0.5])
+def test_the_partial_gradient_is_the_groups_mean_so_far_as_the_step_will_weigh_it(
+        weight, monkeypatch):
+    """With --paci-stale-grad-weight the buffer is rescaled as the drift falls; the factor the
+    prediction reads it with still gives the weighted mean gradient of the backwards so far
+    (the plain mean at W = 1). The buffer holds each gradient / a at the loss scale, as
+    Megatron's does."""
+    from paci_megatron.executor import DriftStats
+    from paci_megatron.features import StageContext, StaleGradWeights, WeightPrediction
+    a, scale, drifts = 4, 8.0, [2, 1, 1]
+    features = [StaleGradWeights(weight), WeightPrediction()]
+    ctx = StageContext(stage=0, num_stages=4, drift=DriftStats(0, 2), features=features,
+                       accumulation=a, planned_drift=lambda mb: 1, loss_scale=lambda: scale)
+    grads = [torch.full((3,), float(10 ** i), dtype=torch.float64) for i in range(len(drifts))]
+    buffer = torch.zeros(3, dtype=torch.float64)
+    for drift, grad in zip(drifts, grads):
+        for feature in features:
+            buffer *= feature.backward_factor(ctx, drift)
+        buffer += grad * scale / a
+    seen = []
+    monkeypatch.setattr(wp, "move_to_prediction", lambda pairs, steps, f: seen.append(f))
+    features[1].before_forward(ctx, 3)
+    features[1].after_forward(ctx, 3)
+    weights = [weight ** d for d in drifts]
+    mean = sum(w * g for w, g in zip(weights, grads)) / sum(weights)
+    torch.testing.assert_close(buffer * seen[0], mean, rtol=1e-12, atol=0)

@@ -49,6 +49,14 @@ class StageContext:
                 return mean
         return self.drift.group_mean_drift
 
+    def buffer_sum_scale(self) -> float:
+        """What the group's gradient buffer so far is multiplied by to be on the scale of the
+        unweighted sum of its backwards (1 unless a feature weighs them)."""
+        scale = 1.0
+        for feature in self.features:
+            scale *= feature.buffer_sum_scale()
+        return scale
+
 
 class StageFeature:
     """Base: every hook does nothing. Hooks, in the order a stage meets them:
@@ -99,6 +107,10 @@ class StageFeature:
     def weighted_mean_drift(self) -> Optional[float]:
         """A feature that weighs gradients says how it weighs the group's drift."""
         return None
+
+    def buffer_sum_scale(self) -> float:
+        """A feature that scales the gradient buffer mid-group says what undoes it."""
+        return 1.0
 
     def before_step(self, ctx: StageContext) -> None:
         pass

@@ -116,8 +116,9 @@ class WeightPrediction(StageFeature):
         steps = ctx.planned_drift(mb)
         if not steps:
             return
+        # the buffer as the group's mean gradient so far (weighted as the step will weigh it)
         factor = None if ctx.per_token or not self.backwards \
-            else ctx.accumulation / self.backwards / ctx.loss_scale()
+            else ctx.accumulation / self.backwards / ctx.loss_scale() * ctx.buffer_sum_scale()
         with _versions_kept(ctx.params):
             move_to_prediction(ctx.main_pairs(), steps, factor)
             ctx.gather_weights()
