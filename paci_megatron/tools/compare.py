@@ -136,7 +136,8 @@ def run_shape(name: str, flags: Sequence[str], nproc: int) -> tta.RunShape:
         schedule=args.pipeline_schedule, num_stages=args.pipeline_model_parallel_size,
         microbatches=args.num_microbatches, accumulation=cfg.accumulation,
         sync_iters=cfg.sync_iters, cooldown_start=cfg.shape.cooldown_start,
-        virtual_chunks=args.virtual_pipeline_model_parallel_size or 1)
+        virtual_chunks=args.virtual_pipeline_model_parallel_size or 1,
+        predicts=args.pipeline_schedule == "paci" and cfg.weight_prediction)
 
 
 # flags a one-stage timing launch must not inherit (value-taking, then switches)
@@ -397,6 +398,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--project-step-ms", type=_non_negative("--project-step-ms"),
                         default=None, help="projected cost of one optimizer step per stage "
                                            "(default 0)")
+    parser.add_argument("--project-predict-ms", type=_non_negative("--project-predict-ms"),
+                        default=0.0,
+                        help="projected extra cost of a forward on predicted weights (the "
+                             "move and the restore, --paci-weight-prediction) per stage "
+                             "(default 0: left out)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--nproc-per-node", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per run")
@@ -488,7 +494,7 @@ def compare(args, train_flags: List[str]) -> int:
         print(f"measured costs per stage: forward {timed['forward_ms']:.3f} ms, backward "
               f"{timed['backward_ms']:.3f} ms, step {timed['step_ms']:.3f} ms", flush=True)
     costs = Costs(args.project_forward_ms / 1e3, args.project_backward_ms / 1e3,
-                  args.project_step_ms / 1e3)
+                  args.project_step_ms / 1e3, predict=args.project_predict_ms / 1e3)
     runs: Dict[str, List[Dict]] = {}
     for spec in specs:
         for seed in seeds:
@@ -521,7 +527,10 @@ def compare(args, train_flags: List[str]) -> int:
                 "between evaluations. Projected time: each schedule's action lists for this P "
                 f"and M in the lockstep simulator, forward {args.project_forward_ms:.4g} ms, "
                 f"backward {args.project_backward_ms:.4g} ms, step {args.project_step_ms:.4g} ms "
-                f"per stage ({cost_source}), steady state (--paci-sync-iters iterations at 1F1B's pace; "
+                f"per stage ({cost_source}), a forward on predicted weights "
+                + (f"{args.project_predict_ms:.4g} ms more" if args.project_predict_ms
+                   else "no more (the prediction's cost left out)")
+                + ", steady state (--paci-sync-iters iterations at 1F1B's pace; "
                 "projected s/iteration is the pace after them); interleaved from Megatron-Core's "
                 "order per rank, timed the same way.\n\n")
         for p in plots:
