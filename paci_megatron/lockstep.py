@@ -31,6 +31,11 @@ class Costs:
     backward: float = 1.0
     step: float = 0.0
     comm: float = 0.0  # latency from a send to the earliest matching receive
+    predict: float = 0.0  # added to a forward on predicted weights (whoever times marks them)
+
+    def at(self, stage: int, action: Action) -> float:
+        """What ``action`` costs at ``stage`` (a subclass may tell stages apart)."""
+        return self.of(action)
 
     def of(self, action: Action) -> float:
         if action.op is Op.FORWARD:
@@ -234,7 +239,7 @@ def run_lockstep(schedule: Schedule, costs: Costs = Costs(),
                             f"stage {s}: {act} got micro-batch {sent_mb} (messages out of order)"
                         )
                     start = max(start, ready)
-                end = start + costs.of(act)
+                end = start + costs.at(s, act)
                 if act.op in SEND_OPS:
                     queues[channel(s, act, P)].append((act.mb, end + costs.comm))
                 events[s].append(Event(s, act, start, end))

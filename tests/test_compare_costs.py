@@ -23,7 +23,8 @@ def measured(tmp_path_factory):
         [sys.executable, "-m", "paci_megatron.tools.compare", "--schedules", "paci",
          "--project-costs", "measured", "--timeout", "400", "--out", str(out), "--",
          "--untie-embeddings-and-output-weights", "--num-layers", "4", "--hidden-size", "32",
-         "--seq-length", "16", "--train-iters", "2", "--paci-stale-grad-weight", "0.5"],
+         "--seq-length", "16", "--train-iters", "2", "--paci-stale-grad-weight", "0.5",
+         "--bf16"],  # bf16: the run predicts by default, and the prediction is timed too
         capture_output=True, text=True, timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return out, proc.stdout
@@ -33,14 +34,19 @@ def test_the_projection_uses_the_measured_costs(measured):
     out, stdout = measured
     costs = json.loads((out / "costs.json").read_text())
     assert costs["layers"] == 2 and costs["repeats"] == 8  # 4 layers over P=2
-    assert all(costs[k] > 0 for k in ("forward_ms", "backward_ms", "step_ms"))
+    assert all(costs[k] > 0 for k in ("forward_ms", "backward_ms", "step_ms", "predict_ms"))
     assert (f"measured costs per stage: forward {costs['forward_ms']:.3f} ms, backward "
-            f"{costs['backward_ms']:.3f} ms, step {costs['step_ms']:.3f} ms") in stdout
-    # P=2, M=8, a=8: the simulator's PACI pace with exactly these costs
-    shape = tta.RunShape("paci", 2, 8, 8)
+            f"{costs['backward_ms']:.3f} ms, step {costs['step_ms']:.3f} ms, a predicted "
+            f"forward {costs['predict_ms']:.3f} ms more") in stdout
+    # P=2, M=8, a=8: the simulator's PACI pace with exactly these costs, stage 0's one stale
+    # forward in every 8 paying for its prediction
+    shape = tta.RunShape("paci", 2, 8, 8, predicts=True)
     _, paci = tta.seconds_per_iteration(shape, Costs(costs["forward_ms"] / 1e3,
                                                      costs["backward_ms"] / 1e3,
-                                                     costs["step_ms"] / 1e3))
+                                                     costs["step_ms"] / 1e3,
+                                                     predict=costs["predict_ms"] / 1e3))
+    assert paci > tta.seconds_per_iteration(tta.RunShape("paci", 2, 8, 8), Costs(
+        costs["forward_ms"] / 1e3, costs["backward_ms"] / 1e3, costs["step_ms"] / 1e3))[1]
     report = (out / "report.md").read_text()
     row = next(l for l in report.splitlines() if l.startswith("| paci |"))
     assert row.split("|")[7].strip() == f"{paci:.4g}"
@@ -62,4 +68,9 @@ def test_measured_costs_and_cost_flags_are_exclusive():
         _cost_flags(args)
     args = build_parser().parse_args(["--out", "x"])
     _cost_flags(args)
-    assert (args.project_forward_ms, args.project_backward_ms, args.project_step_ms) == (1, 2, 0)
+    assert (args.project_forward_ms, args.project_backward_ms, args.project_step_ms,
+            args.project_predict_ms) == (1, 2, 0, 0)
+    args = build_parser().parse_args(["--out", "x", "--project-costs", "measured",
+                                      "--project-predict-ms", "0.5"])
+    with pytest.raises(CompareError, match="--project-predict-ms and --project-costs measured"):
+        _cost_flags(args)

@@ -55,6 +55,31 @@ def test_step_costs_count_once_per_local_step():
     assert tta.seconds_per_call("paci", 4, 2, 8, costs) == 26.0  # 4 steps per iteration
 
 
+@pytest.mark.parametrize("P,a,stale", [(4, 8, 3), (8, 8, 7), (4, 4, 6), (8, 4, 8), (2, 1, 8)])
+def test_the_predictions_cost_falls_on_the_forwards_the_lists_mark_stale(P, a, stale):
+    """--project-predict-ms: stage 0 moves its weights for its P-1 forwards in flight at each
+    step (every forward when a <= P-1); the slowest stage sets the pace. Plain PACI and a
+    flush (nothing stale) do not pay it."""
+    costs = Costs(1.0, 2.0, 0.0, predict=0.5)
+    assert tta.seconds_per_call("paci", P, a, 8, costs, predicts=True) == 24 + 0.5 * stale
+    assert tta.seconds_per_call("paci", P, a, 8, costs) == 24
+    assert tta.seconds_per_call("flush", P, a, 8, costs, predicts=True) == \
+        tta.seconds_per_call("flush", P, a, 8, costs)
+    predicted = tta.RunShape("paci", P, 8, a, predicts=True)
+    assert tta.seconds_per_iteration(predicted, costs)[1] == 24 + 0.5 * stale
+
+
+def test_run_shape_says_whether_the_run_predicts():
+    bf16 = ["--bf16", "--pipeline-model-parallel-size", "4", "--num-layers", "4",
+            "--global-batch-size", "8", "--micro-batch-size", "1"]
+    shape = compare.run_shape  # the flags as pretrain_gpt_paci.py resolves them
+    assert shape("p", [*bf16, "--pipeline-schedule", "paci"], 4).predicts  # the default
+    assert not shape("p", [*bf16, "--pipeline-schedule", "paci",
+                           "--no-paci-weight-prediction"], 4).predicts
+    assert not shape("p", [*bf16[1:], "--pipeline-schedule", "paci"], 4).predicts  # fp32
+    assert not shape("p", [*bf16, "--pipeline-schedule", "1f1b"], 4).predicts
+
+
 def test_sync_warm_up_runs_at_1f1b_pace_and_counts_one_update_per_iteration():
     shape = tta.RunShape("paci", 4, 8, 2, sync_iters=3)
     assert tta.projected_seconds(shape, COSTS, 10) == 3 * 33.0 + 7 * 24.0
@@ -135,6 +160,7 @@ def test_a_target_some_seeds_miss_is_reported_as_such():
     (["--schedules", "1f1b", "--baseline", "paci"], "--baseline"),
     (["--schedules", "nope"], "--schedules"),
     (["--schedules", "1f1b", "--project-backward-ms", "-1"], "--project-backward-ms"),
+    (["--schedules", "1f1b", "--project-predict-ms", "-1"], "--project-predict-ms"),
 ])
 def test_bad_compare_flags_fail_before_any_run(argv, match, tmp_path, capsys):
     with pytest.raises(SystemExit) as info:

@@ -4,10 +4,13 @@
 Run with the flags of a one-stage model holding one stage's layers (``compare`` passes
 ``--num-layers L/P --pipeline-model-parallel-size 1``): it builds the model, optimizer and
 data exactly as training does, then times ``--cost-repeats`` forwards and backwards of one
-micro-batch (Megatron's ``forward_step`` / ``backward_step``) and as many local steps (gradient
-finalisation, ``optimizer.step()``, zeroing), after ``--cost-warmup`` untimed rounds (reading a batch is not timed), and prints
-``PACI_COSTS {"forward_ms": ..., "backward_ms": ..., "step_ms": ...}`` with the medians
-(wall time on an accelerator; on CPU the process's CPU time with one thread).
+micro-batch (Megatron's ``forward_step`` / ``backward_step``), as many local steps (gradient
+finalisation, ``optimizer.step()``, zeroing) and, where the weights have fp32 main copies, as
+many moves to the predicted weights and back (``--paci-weight-prediction``'s extra work on a
+stale forward), after ``--cost-warmup`` untimed rounds (reading a batch is not timed), and
+prints ``PACI_COSTS {"forward_ms": ..., "backward_ms": ..., "step_ms": ..., "predict_ms":
+...}`` with the medians (wall time on an accelerator; on CPU the process's CPU time with one
+thread; ``predict_ms`` 0 without main copies: such a run cannot predict).
 The stage holds the embedding and the output layer too, so it is the slowest stage's cost
 (or above it), which sets a pipeline's pace.
 """
@@ -23,6 +26,9 @@ from megatron.core import parallel_state
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.pipeline_parallel import schedules as mcore_schedules
 from megatron.core.utils import get_model_config, get_model_type
+
+from ..features.weight_prediction import move_to_prediction, restore_weights
+from .main_params import main_pairs
 
 
 def _sync() -> None:
@@ -50,7 +56,14 @@ def time_stage_actions(job, repeats: int, warmup: int) -> Dict[str, float]:
     model = job.model[0]
     config = get_model_config(model)
     model_type = get_model_type(model)
-    times: Dict[str, List[float]] = {"forward_ms": [], "backward_ms": [], "step_ms": []}
+    times: Dict[str, List[float]] = {"forward_ms": [], "backward_ms": [], "step_ms": [],
+                                     "predict_ms": []}
+    pairs = main_pairs(job.optimizer)
+
+    def predict():  # one step ahead with the gradient folded in, as on a stale forward
+        move_to_prediction(pairs, 1, 1.0)
+        restore_weights(pairs)
+
     for i in range(warmup + repeats):
         model.zero_grad_buffer()
         job.optimizer.zero_grad()
@@ -68,8 +81,9 @@ def time_stage_actions(job, repeats: int, warmup: int) -> Dict[str, float]:
             model.zero_grad_buffer()
             job.optimizer.zero_grad()
 
+        prd, _ = _timed(predict) if pairs else (0.0, None)  # exact restore: the step is as before
         stp, _ = _timed(step)
         if i >= warmup:
-            for key, seconds in zip(times, (fwd, bwd, stp)):
+            for key, seconds in zip(times, (fwd, bwd, stp, prd)):
                 times[key].append(seconds * 1e3)
     return {key: statistics.median(values) for key, values in times.items()}

@@ -136,7 +136,8 @@ def run_shape(name: str, flags: Sequence[str], nproc: int) -> tta.RunShape:
         schedule=args.pipeline_schedule, num_stages=args.pipeline_model_parallel_size,
         microbatches=args.num_microbatches, accumulation=cfg.accumulation,
         sync_iters=cfg.sync_iters, cooldown_start=cfg.shape.cooldown_start,
-        virtual_chunks=args.virtual_pipeline_model_parallel_size or 1)
+        virtual_chunks=args.virtual_pipeline_model_parallel_size or 1,
+        predicts=args.pipeline_schedule == "paci" and cfg.weight_prediction)
 
 
 # flags a one-stage timing launch must not inherit (value-taking, then switches)
@@ -397,6 +398,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--project-step-ms", type=_non_negative("--project-step-ms"),
                         default=None, help="projected cost of one optimizer step per stage "
                                            "(default 0)")
+    parser.add_argument("--project-predict-ms", type=_non_negative("--project-predict-ms"),
+                        default=None,
+                        help="projected extra cost of a forward on predicted weights (the "
+                             "move and the restore, --paci-weight-prediction) per stage "
+                             "(default 0: left out)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--nproc-per-node", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per run")
@@ -445,12 +451,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _cost_flags(args) -> None:
     """Fill the --project-*-ms defaults; refuse them beside --project-costs measured."""
-    given = [f"--project-{k}-ms" for k in ("forward", "backward", "step")
+    given = [f"--project-{k}-ms" for k in ("forward", "backward", "step", "predict")
              if getattr(args, f"project_{k}_ms") is not None]
     if args.project_costs == "measured" and given:
         raise CompareError(f"{', '.join(given)} and --project-costs measured both set the "
                            "projection's costs; drop one")
-    for key, default in (("forward", 1.0), ("backward", 2.0), ("step", 0.0)):
+    for key, default in (("forward", 1.0), ("backward", 2.0), ("step", 0.0), ("predict", 0.0)):
         if getattr(args, f"project_{key}_ms") is None:
             setattr(args, f"project_{key}_ms", default)
     if args.project_forward_ms + args.project_backward_ms <= 0:
@@ -483,12 +489,14 @@ def compare(args, train_flags: List[str]) -> int:
         timed = measure_costs(train_flags, shapes[base_name], args.out, args.timeout)
         args.project_forward_ms, args.project_backward_ms, args.project_step_ms = (
             timed["forward_ms"], timed["backward_ms"], timed["step_ms"])
+        args.project_predict_ms = timed["predict_ms"]
         cost_source = (f"measured on the real model (median of {timed['repeats']}; a one-stage "
                        f"model of {timed['layers']} layers with the embedding and output layer)")
         print(f"measured costs per stage: forward {timed['forward_ms']:.3f} ms, backward "
-              f"{timed['backward_ms']:.3f} ms, step {timed['step_ms']:.3f} ms", flush=True)
+              f"{timed['backward_ms']:.3f} ms, step {timed['step_ms']:.3f} ms, a predicted "
+              f"forward {timed['predict_ms']:.3f} ms more", flush=True)
     costs = Costs(args.project_forward_ms / 1e3, args.project_backward_ms / 1e3,
-                  args.project_step_ms / 1e3)
+                  args.project_step_ms / 1e3, predict=args.project_predict_ms / 1e3)
     runs: Dict[str, List[Dict]] = {}
     for spec in specs:
         for seed in seeds:
@@ -521,7 +529,10 @@ def compare(args, train_flags: List[str]) -> int:
                 "between evaluations. Projected time: each schedule's action lists for this P "
                 f"and M in the lockstep simulator, forward {args.project_forward_ms:.4g} ms, "
                 f"backward {args.project_backward_ms:.4g} ms, step {args.project_step_ms:.4g} ms "
-                f"per stage ({cost_source}), steady state (--paci-sync-iters iterations at 1F1B's pace; "
+                f"per stage ({cost_source}), a forward on predicted weights "
+                + (f"{args.project_predict_ms:.4g} ms more" if args.project_predict_ms
+                   else "no more (the prediction's cost left out)")
+                + ", steady state (--paci-sync-iters iterations at 1F1B's pace; "
                 "projected s/iteration is the pace after them); interleaved from Megatron-Core's "
                 "order per rank, timed the same way.\n\n")
         for p in plots:

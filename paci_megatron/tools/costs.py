@@ -3,7 +3,7 @@ tool's projection.
 
     torchrun --nproc-per-node 1 -m paci_megatron.tools.costs <pretrain_gpt_paci.py flags>
 
-Prints ``PACI_COSTS {"forward_ms": ..., "backward_ms": ..., "step_ms": ...}``.
+Prints ``PACI_COSTS {"forward_ms": ..., "backward_ms": ..., "step_ms": ..., "predict_ms": ...}``.
 """
 
 from __future__ import annotations

@@ -8,12 +8,13 @@ with per-action costs, so a schedule's bubble is what its lists imply for this P
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import FrozenSet, List, Optional, Sequence, Tuple
 
 from .. import interleaved
-from ..schedule import Schedule, plan_stream
+from ..schedule import Op, Schedule, plan_stream
 from ..shape import local_steps, stock_iterations
 from ..simulate import Costs, run_lockstep
 
@@ -62,6 +63,7 @@ class RunShape:
     sync_iters: int = 0
     cooldown_start: Optional[int] = None  # --paci-cooldown-iters: stock 1F1B from here on
     virtual_chunks: int = 1
+    predicts: bool = False  # --paci-weight-prediction: stale forwards cost Costs.predict more
 
     def updates(self, iterations: float) -> float:
         """Optimizer steps per stage after ``iterations`` iterations."""
@@ -71,15 +73,33 @@ class RunShape:
                            self.cooldown_start)
 
 
+@dataclass(frozen=True)
+class _PredictedCosts(Costs):
+    """Costs with ``predict`` added to the forwards the weight prediction moves weights for."""
+
+    forwards: FrozenSet[Tuple[int, int]] = frozenset()  # (stage, micro-batch)
+
+    def at(self, stage, action) -> float:
+        stale = action.op is Op.FORWARD and (stage, action.mb) in self.forwards
+        return self.of(action) + (self.predict if stale else 0.0)
+
+
 def seconds_per_call(kind: str, num_stages: int, accumulation: int, per_call: int,
-                     costs: Costs, warmup: int = 2, timed: int = 4) -> float:
+                     costs: Costs, warmup: int = 2, timed: int = 4,
+                     predicts: bool = False) -> float:
     """Steady-state time of one forward-backward call: the calls of ``plan_stream`` run in
     lockstep; per stage, the time from the end of its warm-up calls to its last action, over
-    ``timed`` calls; the slowest stage."""
+    ``timed`` calls; the slowest stage. ``predicts``: every forward whose backward comes
+    after a local step (the lists say which) costs ``costs.predict`` more."""
     plan = plan_stream(kind, num_stages, accumulation, per_call)
     calls = warmup + timed
     lists = tuple(tuple(act for k in range(calls) for act in plan.call(k)[s])
                   for s in range(num_stages))
+    if predicts and costs.predict:
+        stale = frozenset((s, act.mb) for k in range(calls) for s in range(num_stages)
+                          for act in plan.call(k)[s] if act.op is Op.FORWARD
+                          and plan.steps_before_backward(k, s, act.mb))
+        costs = _PredictedCosts(**dataclasses.asdict(costs), forwards=stale)
     events = run_lockstep(Schedule(f"{kind}-stream", num_stages, accumulation,
                                    calls * per_call, lists), costs)
     worst = 0.0
@@ -97,7 +117,8 @@ def seconds_per_iteration(shape: RunShape, costs: Costs) -> Tuple[float, float]:
     P, M = shape.num_stages, shape.microbatches
     flush = seconds_per_call("flush", P, M, M, costs)
     if shape.schedule == "paci":
-        return flush, seconds_per_call("paci", P, shape.accumulation, M, costs)
+        return flush, seconds_per_call("paci", P, shape.accumulation, M, costs,
+                                       predicts=shape.predicts)
     if shape.schedule == "interleaved":
         return flush, interleaved.seconds_per_iteration(P, M, shape.virtual_chunks, costs)
     return flush, flush
