@@ -64,9 +64,10 @@ report)  # the three report parts below, in this order
   for part in p4 p8 budget; do bash "$0" "$part" "$OUT"; done ;;
 p4)
   [ -n "$CANDIDATE" ] || { echo "p4: set CANDIDATE to the selection's flags" >&2; exit 2; }
-  # one seed at a time, so a session that stops early still leaves whole seeds
-  for seed in 2001 2002; do
-    compare --schedules 1f1b,interleaved --seeds $seed --nproc-per-node 4 --out "$OUT/p4" \
+  # one seed at a time, so a session that stops early still leaves whole seeds; the last
+  # call only reuses them, for the report over both seeds
+  for seeds in 2001 2002 2001,2002; do
+    compare --schedules 1f1b,interleaved --seeds $seeds --nproc-per-node 4 --out "$OUT/p4" \
         --run paci-plain="$PLAIN" \
         --run paci-candidate="--pipeline-schedule paci $CANDIDATE" \
         --run paci-plain-cooldown200="$PLAIN --paci-cooldown-iters 200" \
@@ -75,8 +76,8 @@ p4)
 p8)
   [ -n "$CANDIDATE" ] || { echo "p8: set CANDIDATE to the selection's flags" >&2; exit 2; }
   # interleaved (v=2) needs 16 layers at P=8: the report projects it from 1F1B's curve instead
-  for seed in 2001 2002; do
-    compare --schedules 1f1b --seeds $seed --nproc-per-node 8 --out "$OUT/p8" \
+  for seeds in 2001 2002 2001,2002; do
+    compare --schedules 1f1b --seeds $seeds --nproc-per-node 8 --out "$OUT/p8" \
         --run paci-plain="$PLAIN" \
         --run paci-candidate="--pipeline-schedule paci $CANDIDATE" \
         -- "${PAPER[@]}" "${LR[@]}" --train-iters 2000
@@ -84,7 +85,7 @@ p8)
 budget)
   # 2000 x the projected throughput ratio (1.375 at P=4, M=8), cosine over it; 1f1b-long is
   # the control (the longer cosine alone). The full P=4 call, so the report holds every run.
-  for seeds in 2001 2001,2002; do
+  for seeds in 2001 2002 2001,2002; do
     compare --schedules 1f1b,interleaved --seeds $seeds --nproc-per-node 4 --out "$OUT/p4" \
         --run paci-plain="$PLAIN" \
         --run paci-candidate="--pipeline-schedule paci $CANDIDATE" \
