@@ -31,7 +31,7 @@ class Costs:
     backward: float = 1.0
     step: float = 0.0
     comm: float = 0.0  # latency from a send to the earliest matching receive
-    predict: float = 0.0  # added to a forward on predicted weights (whoever times marks them)
+    predict: float = 0.0  # extra for a forward on predicted weights (tools/tta.py marks which)
 
     def at(self, stage: int, action: Action) -> float:
         """What ``action`` costs at ``stage`` (a subclass may tell stages apart)."""
