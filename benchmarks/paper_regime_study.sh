@@ -43,6 +43,21 @@ LR=(--lr 3e-4 --min-lr 3e-05)  # spelled as the sweep spells it, so its 1F1B run
 PLAIN="--pipeline-schedule paci --paci-stale-grad-weight 1 --no-paci-weight-prediction"
 PREDICT="--pipeline-schedule paci --paci-stale-grad-weight 1 --paci-weight-prediction"
 compare() { python -m paci_megatron.tools.compare --reuse "$@"; }
+COOLDOWN=(--run paci-plain-cooldown200="$PLAIN --paci-cooldown-iters 200")
+
+# report_seeds OUT NPROC SCHEDULES [--run ...]: 1F1B (and SCHEDULES), plain PACI, the
+# candidate and the given runs on the report seeds, one seed at a time, so a session that
+# stops early still leaves whole seeds; the last call only reuses them, for the report over both
+report_seeds() {
+  local out=$1 nproc=$2 schedules=$3
+  shift 3
+  [ -n "$CANDIDATE" ] || { echo "report: set CANDIDATE to the selection's flags" >&2; exit 2; }
+  for seeds in 2001 2002 2001,2002; do
+    compare --schedules "$schedules" --seeds "$seeds" --nproc-per-node "$nproc" --out "$out" \
+        --run paci-plain="$PLAIN" --run paci-candidate="--pipeline-schedule paci $CANDIDATE" \
+        "$@" -- "${PAPER[@]}" "${LR[@]}" --train-iters 2000
+  done
+}
 
 case "$PHASE" in
 sweep)
@@ -62,39 +77,16 @@ select)
       -- "${PAPER[@]}" "${LR[@]}" --train-iters 2000 ;;
 report)  # the three report parts below, in this order
   for part in p4 p8 budget; do bash "$0" "$part" "$OUT"; done ;;
-p4)
-  [ -n "$CANDIDATE" ] || { echo "p4: set CANDIDATE to the selection's flags" >&2; exit 2; }
-  # one seed at a time, so a session that stops early still leaves whole seeds; the last
-  # call only reuses them, for the report over both seeds
-  for seeds in 2001 2002 2001,2002; do
-    compare --schedules 1f1b,interleaved --seeds $seeds --nproc-per-node 4 --out "$OUT/p4" \
-        --run paci-plain="$PLAIN" \
-        --run paci-candidate="--pipeline-schedule paci $CANDIDATE" \
-        --run paci-plain-cooldown200="$PLAIN --paci-cooldown-iters 200" \
-        -- "${PAPER[@]}" "${LR[@]}" --train-iters 2000
-  done ;;
-p8)
-  [ -n "$CANDIDATE" ] || { echo "p8: set CANDIDATE to the selection's flags" >&2; exit 2; }
-  # interleaved (v=2) needs 16 layers at P=8: the report projects it from 1F1B's curve instead
-  for seeds in 2001 2002 2001,2002; do
-    compare --schedules 1f1b --seeds $seeds --nproc-per-node 8 --out "$OUT/p8" \
-        --run paci-plain="$PLAIN" \
-        --run paci-candidate="--pipeline-schedule paci $CANDIDATE" \
-        -- "${PAPER[@]}" "${LR[@]}" --train-iters 2000
-  done ;;
+p4) report_seeds "$OUT/p4" 4 1f1b,interleaved "${COOLDOWN[@]}" ;;
+p8)  # interleaved (v=2) needs 16 layers at P=8: the report projects it from 1F1B's curve
+  report_seeds "$OUT/p8" 8 1f1b ;;
 budget)
   # 2000 x the projected throughput ratio (1.375 at P=4, M=8), cosine over it; 1f1b-long is
   # the control (the longer cosine alone). The full P=4 call, so the report holds every run.
-  for seeds in 2001 2002 2001,2002; do
-    compare --schedules 1f1b,interleaved --seeds $seeds --nproc-per-node 4 --out "$OUT/p4" \
-        --run paci-plain="$PLAIN" \
-        --run paci-candidate="--pipeline-schedule paci $CANDIDATE" \
-        --run paci-plain-cooldown200="$PLAIN --paci-cooldown-iters 200" \
-        --run 1f1b-long="--pipeline-schedule 1f1b --train-iters 2750" \
-        --run paci-plain-long="$PLAIN --train-iters 2750" \
-        --run paci-candidate-long="--pipeline-schedule paci $CANDIDATE --train-iters 2750" \
-        -- "${PAPER[@]}" "${LR[@]}" --train-iters 2000
-  done ;;
+  report_seeds "$OUT/p4" 4 1f1b,interleaved "${COOLDOWN[@]}" \
+      --run 1f1b-long="--pipeline-schedule 1f1b --train-iters 2750" \
+      --run paci-plain-long="$PLAIN --train-iters 2750" \
+      --run paci-candidate-long="--pipeline-schedule paci $CANDIDATE --train-iters 2750" ;;
 aggressive)
   compare --schedules 1f1b --seeds 1234,1235 --nproc-per-node 4 --out "$OUT/aggressive" \
       --run paci-plain="$PLAIN" \
