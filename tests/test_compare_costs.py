@@ -40,13 +40,10 @@ def test_the_projection_uses_the_measured_costs(measured):
             f"forward {costs['predict_ms']:.3f} ms more") in stdout
     # P=2, M=8, a=8: the simulator's PACI pace with exactly these costs, stage 0's one stale
     # forward in every 8 paying for its prediction
-    shape = tta.RunShape("paci", 2, 8, 8, predicts=True)
-    _, paci = tta.seconds_per_iteration(shape, Costs(costs["forward_ms"] / 1e3,
-                                                     costs["backward_ms"] / 1e3,
-                                                     costs["step_ms"] / 1e3,
-                                                     predict=costs["predict_ms"] / 1e3))
-    assert paci > tta.seconds_per_iteration(tta.RunShape("paci", 2, 8, 8), Costs(
-        costs["forward_ms"] / 1e3, costs["backward_ms"] / 1e3, costs["step_ms"] / 1e3))[1]
+    timed = Costs(costs["forward_ms"] / 1e3, costs["backward_ms"] / 1e3,
+                  costs["step_ms"] / 1e3, predict=costs["predict_ms"] / 1e3)
+    _, paci = tta.seconds_per_iteration(tta.RunShape("paci", 2, 8, 8, predicts=True), timed)
+    assert paci > tta.seconds_per_iteration(tta.RunShape("paci", 2, 8, 8), timed)[1]
     report = (out / "report.md").read_text()
     row = next(l for l in report.splitlines() if l.startswith("| paci |"))
     assert row.split("|")[7].strip() == f"{paci:.4g}"

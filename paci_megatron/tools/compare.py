@@ -514,6 +514,8 @@ def compare(args, train_flags: List[str]) -> int:
         if control in runs else ""
     gtable = gap_table(runs, base_name)
     plots = plot(runs, args.out)
+    predicted = f"{args.project_predict_ms:.4g} ms more" if args.project_predict_ms \
+        else "no more (the prediction's cost left out)"
     with open(os.path.join(args.out, "report.md"), "w") as f:
         f.write("# Schedule comparison\n\nTraining flags: `" + " ".join(train_flags) + "`\n\n")
         f.write("Runs: " + "; ".join(f"{s.name} = `{' '.join(s.flags)}`" for s in specs) + "\n\n")
@@ -529,10 +531,8 @@ def compare(args, train_flags: List[str]) -> int:
                 "between evaluations. Projected time: each schedule's action lists for this P "
                 f"and M in the lockstep simulator, forward {args.project_forward_ms:.4g} ms, "
                 f"backward {args.project_backward_ms:.4g} ms, step {args.project_step_ms:.4g} ms "
-                f"per stage ({cost_source}), a forward on predicted weights "
-                + (f"{args.project_predict_ms:.4g} ms more" if args.project_predict_ms
-                   else "no more (the prediction's cost left out)")
-                + ", steady state (--paci-sync-iters iterations at 1F1B's pace; "
+                f"per stage ({cost_source}), a forward on predicted weights {predicted}, "
+                "steady state (--paci-sync-iters iterations at 1F1B's pace; "
                 "projected s/iteration is the pace after them); interleaved from Megatron-Core's "
                 "order per rank, timed the same way.\n\n")
         for p in plots:
