@@ -150,7 +150,7 @@ def _stage_program(world: _NcclWorld, s: int, items: Sequence[object], costs: Co
                 yield mine
                 pending = [op for op in pending if op not in mine]
             start = clock[s]
-            clock[s] = start + costs.of(item)
+            clock[s] = start + costs.at(s, item)
             events.append(Event(s, item, start, clock[s]))
         else:
             for batch in exchanges(item):
