@@ -266,7 +266,8 @@ class PipelineEmulator:
         done = len(stage.step_drifts)
         per_token = get_model_config(model).calculate_per_token_loss
         factor = None if per_token or not done \
-            else self.accumulation / done / float(optimizer.get_loss_scale())
+            else self.accumulation / done / float(optimizer.get_loss_scale()) \
+            * self._weighted_sum_scale(stage)
         with keep_version_counters(list(model.parameters())):
             move_to_prediction(main_pairs(optimizer), steps, factor)
             gather_weights(optimizer)
@@ -318,6 +319,14 @@ class PipelineEmulator:
         if stage.group_drifts and stage.group_drifts[-1] != drift:
             stage.parts.model.scale_gradients(w ** (stage.group_drifts[-1] - drift))
         stage.group_drifts.append(drift)
+
+    def _weighted_sum_scale(self, stage: _Stage) -> float:
+        """What puts the group's weighted buffer so far on an unweighted sum's scale (the
+        weighted mean x its count); 1 without weights."""
+        drifts, w = stage.group_drifts, self.stale_grad_weight
+        if not drifts:
+            return 1.0
+        return w ** drifts[-1] * (len(drifts) / sum(w ** d for d in drifts))
 
     def _finish_stale_weights(self, stage: _Stage) -> None:
         drifts, w = stage.group_drifts, self.stale_grad_weight

@@ -107,10 +107,11 @@ CASES: Dict[str, Dict] = {
                                      dropout=0.1, predict=True),
     "p2_fp16_predict": dict(pp=2, a=2, calls=6, fp16=True, predict=True),
     "p2_tp2_bf16_predict": dict(pp=2, tp=2, a=2, bf16=True, dropout=0.1, predict=True),
-    # prediction with the other features (weights, the correction): drift 2 and 1 in one
-    # group at stage 0, so the partial gradient it folds in is a rescaled buffer
-    "p4_bf16_stale_correct_predict": dict(pp=4, a=2, bf16=True, dropout=0.1, stale_weight=0.5,
-                                          correction=2000.0, predict=True),
+    # prediction with the other features (weights, the correction): at P=4, a=4 stages 1
+    # and 2 run stale forwards after backwards of drift 1 and 0 in one group, so the partial
+    # gradient they fold in is a rescaled buffer (a=2 never shows one)
+    "p4_bf16_stale_correct_predict": dict(pp=4, a=4, n=8, calls=4, bf16=True, dropout=0.1,
+                                          stale_weight=0.5, correction=2000.0, predict=True),
     # the distributed optimizer: each rank predicts its shard, an all-gather completes it
     "p2_dp2_distopt_bf16": dict(pp=2, dp=2, a=2, dist_opt=True, bf16=True, dropout=0.1),
     "p2_dp2_distopt_bf16_predict": dict(pp=2, dp=2, a=2, dist_opt=True, bf16=True, dropout=0.1,
