@@ -258,11 +258,14 @@ def test_the_partial_gradient_is_the_groups_mean_so_far_as_the_step_will_weigh_i
     from paci_megatron.features import StageContext, StaleGradWeights, WeightPrediction
     a, scale, drifts = 4, 8.0, [2, 1, 1]
     features = [StaleGradWeights(weight), WeightPrediction()]
-    ctx = StageContext(stage=0, num_stages=4, drift=DriftStats(0, 2), features=features,
-                       accumulation=a, planned_drift=lambda mb: 1, loss_scale=lambda: scale)
+    ctx = StageContext(stage=0, num_stages=4, drift=DriftStats(0, 2, version=2),
+                       features=features, accumulation=a, planned_drift=lambda mb: 1,
+                       loss_scale=lambda: scale)
     grads = [torch.full((3,), float(10 ** i), dtype=torch.float64) for i in range(len(drifts))]
     buffer = torch.zeros(3, dtype=torch.float64)
-    for drift, grad in zip(drifts, grads):
+    for mb, (drift, grad) in enumerate(zip(drifts, grads)):
+        ctx.drift.fwd_version[mb] = ctx.drift.version - drift  # as the executor records it
+        ctx.drift.on_backward(mb)
         for feature in features:
             buffer *= feature.backward_factor(ctx, drift)
         buffer += grad * scale / a

@@ -89,7 +89,6 @@ class WeightPrediction(StageFeature):
 
     def __init__(self):
         self.moved = False
-        self.backwards = 0  # backwards since the stage's last step: the partial gradient's
         self.predicted = Counter()  # steps ahead -> forwards run on predicted weights
 
     @staticmethod
@@ -117,8 +116,9 @@ class WeightPrediction(StageFeature):
         if not steps:
             return
         # the buffer as the group's mean gradient so far (weighted as the step will weigh it)
-        factor = None if ctx.per_token or not self.backwards \
-            else ctx.accumulation / self.backwards / ctx.loss_scale() * ctx.buffer_sum_scale()
+        backwards = ctx.drift.group_backwards  # since the last step: the partial gradient's
+        factor = None if ctx.per_token or not backwards \
+            else ctx.accumulation / backwards / ctx.loss_scale() * ctx.buffer_sum_scale()
         with _versions_kept(ctx.params):
             move_to_prediction(ctx.main_pairs(), steps, factor)
             ctx.gather_weights()
@@ -132,16 +132,6 @@ class WeightPrediction(StageFeature):
                 ctx.gather_weights()
             self.moved = False
             ctx.weights_moved = True  # the next forward's weights differ from this one's
-
-    def backward_factor(self, ctx: StageContext, drift: int) -> float:
-        self.backwards += 1
-        return 1.0
-
-    def after_step(self, ctx: StageContext, record) -> None:
-        self.backwards = 0
-
-    def on_drain(self, ctx: StageContext) -> None:
-        self.backwards = 0
 
 
 def _versions_kept(params):
