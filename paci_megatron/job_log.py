@@ -8,7 +8,7 @@ import json
 import time
 from typing import Dict, List, Optional
 
-from .features.weight_prediction import default_off_line
+from .features.weight_prediction import cost_lines, default_off_line
 from .mcore import build
 from .mcore import runtime as mcore_runtime
 from .restart import trim_metrics
@@ -169,6 +169,8 @@ def log_final_drift(dropped: int, drift: List[Dict]) -> None:
             tied = row["tied"]
             log(f"> stage {row['stage']}: tied embedding staleness max {tied['max']} "
                 f"(bound {tied['bound']}), histogram {tied['histogram']}")
+    for line in cost_lines(drift):
+        log(line)
 
 
 def final_record(job, summary: Dict, validation: Optional[float]) -> Dict:

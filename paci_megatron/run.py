@@ -38,7 +38,7 @@ from typing import List, Optional, Sequence
 from .autograd_versions import ZERO_CENTERED_GAMMA
 from .config import (Layout, PaciConfig, add_paci_arguments, rampup_micro_batches,
                      refuse_paci_flags, resolve)
-from .features.weight_prediction import default_off_line
+from .features.weight_prediction import cost_lines, default_off_line
 from .flag import ConfigError
 from .quiet import fallback_notice
 from .restart import restart_count
@@ -208,6 +208,8 @@ def report(runtime) -> None:
             print(f"> PACI tied embedding: staleness max {stale['max']} (bound {stale['bound']}), "
                   f"histogram {stale['histogram']}; stage 0 and last stage copies {same} after "
                   f"the drain (sha256 {tied[0][:12]}, {tied[-1][:12]})", flush=True)
+        for line in cost_lines(rows, prefix="> PACI stage"):
+            print(line, flush=True)
 
 
 def _log_last_stage(runtime_holder):

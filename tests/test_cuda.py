@@ -105,3 +105,23 @@ def test_paci_peak_cuda_memory_per_stage_is_1f1b_s(one_gpu, P):
     assert all(s is not None and s > 0 for s in stock)  # the CUDA allocator's peak
     for stage, (p, s) in enumerate(zip(paci, stock)):
         assert p <= 1.02 * s, (P, stage, p, s)
+
+
+def test_span_timer_reads_cuda_events_once_the_device_passes_them():
+    from paci_megatron.features.timer import SpanTimer
+    timer = SpanTimer(cuda=True)
+    x = torch.randn(2048, 2048, device="cuda")
+    timer.start()
+    for _ in range(8):
+        x = x @ x / 2048
+    timer.stop()
+    torch.cuda.synchronize()
+    assert timer.mean_ms() > 0 and timer.count == 1
+
+
+@pytest.mark.parametrize("P", [2, 4])
+def test_the_prediction_is_timed_on_the_gpu_where_it_ran(one_gpu, P):
+    """bf16 runs predict by default; the stale stages report its cost, the last stage none."""
+    drift = sorted(one_gpu[P, "paci"]["drift"], key=lambda row: row["stage"])
+    assert all(row["predict_ms"] > 0 and row["forward_ms"] > 0 for row in drift[:-1])
+    assert "predict_ms" not in drift[-1]

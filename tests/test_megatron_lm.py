@@ -291,6 +291,10 @@ def test_weight_prediction_and_the_default_reach_megatron_lms_run(tmp_path):
     assert rows["predict"][2:] != rows["plain"][2:]
     assert drift(out["predict"]) == drift(out["plain"])
     assert (rows["default"] != rows["plain"]) == (not default_is_plain_paci())
+    # the end of the run says what the prediction cost (the stage that predicts) and no more
+    assert "> PACI stage 0: weight prediction on" in out["predict"]
+    assert "> PACI: weight prediction's cost leaves" in out["predict"]
+    assert "weight prediction's cost" not in out["plain"]
 
 
 @pytest.mark.dist

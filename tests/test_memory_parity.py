@@ -47,6 +47,22 @@ def test_the_predicted_run_did_predict_on_the_stale_stages(peaks):
     assert all(predicted[:3]) and predicted[3] == {}
 
 
+def test_the_end_of_run_report_says_what_the_prediction_cost(peaks):
+    """Each stale stage's move + restore and forward, timed where they ran, and what they
+    leave of PACI's throughput; the run without prediction says nothing of it."""
+    log = peaks["paci-predict"]["log"]
+    summary = json.loads(log.split("PACI_SUMMARY ")[1].splitlines()[0])
+    rows = summary["drift"]
+    assert all(r["predict_ms"] > 0 and r["forward_ms"] > 0 for r in rows[:3])
+    assert "predict_ms" not in rows[3]
+    for row in rows[:3]:
+        moved = sum(row["predicted_forwards"].values())
+        assert f"> stage {row['stage']}: weight prediction on {moved} forwards" in log
+    assert "> PACI: weight prediction's cost leaves a projected throughput of" in log
+    assert "weight prediction's cost" not in peaks["paci"]["log"]
+    assert ": weight prediction on" not in peaks["paci"]["log"]
+
+
 def test_meter_counts_more_than_activations(peaks):
     """Weights, gradients and Adam's state are counted: the first stage holds 4000 x 128 x 18
     bytes (bf16 weight, fp32 gradient, main copy and two moments) of embedding alone, beside

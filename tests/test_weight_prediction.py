@@ -276,3 +276,54 @@ def test_the_partial_gradient_is_the_groups_mean_so_far_as_the_step_will_weigh_i
     weights = [weight ** d for d in drifts]
     mean = sum(w * g for w, g in zip(weights, grads)) / sum(weights)
     torch.testing.assert_close(buffer * seen[0], mean, rtol=1e-12, atol=0)
+
+
+def test_the_feature_times_the_move_and_restore_apart_from_the_forward(monkeypatch):
+    """What the end-of-run report reads: move + restore per predicted forward, and the
+    forward itself between them (a forward that predicts nothing is not timed)."""
+    import time
+
+    from paci_megatron.executor import DriftStats
+    from paci_megatron.features import StageContext, WeightPrediction
+    feature = WeightPrediction()
+    ahead = {0: 1, 1: 0}
+    ctx = StageContext(stage=0, num_stages=2, drift=DriftStats(0, 1), features=[feature],
+                       planned_drift=ahead.get)
+    monkeypatch.setattr(wp, "move_to_prediction", lambda *a: time.sleep(0.03))
+    monkeypatch.setattr(wp, "restore_weights", lambda *a: time.sleep(0.02))
+    assert "predict_ms" not in feature.summary()
+    for mb in (0, 1):
+        feature.before_forward(ctx, mb)
+        time.sleep(0.002)  # the forward
+        feature.after_forward(ctx, mb)
+    row = feature.summary()
+    assert row["predicted_forwards"] == {1: 1}
+    assert row["predict_ms"] >= 50.0
+    assert 2.0 <= row["forward_ms"] < 30.0  # the move is not the forward's
+
+
+def _row(stage, steps, backwards, predicted=0, predict_ms=None, forward_ms=None):
+    row = {"stage": stage, "steps": steps, "histogram": {0: backwards},
+           "predicted_forwards": {1: predicted} if predicted else {}}
+    if predict_ms is not None:
+        row.update(predict_ms=predict_ms, forward_ms=forward_ms)
+    return row
+
+
+@pytest.mark.parametrize("predict_ms,with_it", [(0.0, 1.375), (30.0, 1.0), (40.0, 41.25 / 45)])
+def test_the_report_projects_what_prediction_leaves_of_pacis_gain(predict_ms, with_it):
+    """P = 4, a = 8 (2 steps of 16 micro-batches), forward 10 ms, backward 20: stage 0
+    predicts 3 forwards in 8, so per micro-batch it spends 30 + 3/8 p ms against 1F1B's
+    11/8 x 30. At p = 3 forwards PACI's gain is gone exactly; above, 1F1B is faster."""
+    rows = [_row(0, 2, 16, 6, predict_ms, 10.0), _row(1, 2, 16, 4, predict_ms, 10.0),
+            _row(2, 2, 16, 2, predict_ms, 10.0), _row(3, 2, 16)]
+    assert wp.projected_throughput(rows) == (pytest.approx(with_it, rel=1e-12), 1.375)
+    lines = wp.cost_lines(rows)
+    assert len(lines) == 4 and lines[0].startswith("> stage 0: weight prediction on 6 forwards")
+    slower = "slower than 1F1B on this machine" in lines[-1]
+    assert slower == (with_it < 1.0)
+    assert f"{with_it:.2f}x 1F1B's (plain PACI 1.38x" in lines[-1]
+
+
+def test_the_report_says_nothing_of_prediction_when_none_ran():
+    assert wp.cost_lines([_row(0, 2, 16), _row(1, 2, 16)]) == []

@@ -31,6 +31,7 @@ from typing import List, Optional, Tuple
 
 from ..flag import ConfigError, Flag
 from .base import StageContext, StageFeature, sub_optimizers
+from .timer import SpanTimer
 
 # On by default under --pipeline-schedule paci wherever the run's flags allow it (the paper-
 # regime study's decision: docs/convergence.md, "Which PACI runs by default");
@@ -90,6 +91,8 @@ class WeightPrediction(StageFeature):
     def __init__(self):
         self.moved = False
         self.predicted = Counter()  # steps ahead -> forwards run on predicted weights
+        # what it costs, beside a forward: the end-of-run report (``cost_lines``)
+        self.move_time, self.restore_time, self.forward_time = SpanTimer(), SpanTimer(), SpanTimer()
 
     @staticmethod
     def check(args, layout) -> None:
@@ -106,10 +109,18 @@ class WeightPrediction(StageFeature):
         return "stale forwards on predicted weights"
 
     def summary(self) -> dict:
-        return {"predicted_forwards": dict(sorted(self.predicted.items()))}
+        row = {"predicted_forwards": dict(sorted(self.predicted.items()))}
+        move, restore = self.move_time.mean_ms(), self.restore_time.mean_ms()
+        forward = self.forward_time.mean_ms()
+        if move is not None and restore is not None and forward is not None:
+            row.update(predict_ms=round(move + restore, 3), forward_ms=round(forward, 3))
+        return row
 
     def on_bind(self, ctx: StageContext) -> None:
         check_optimizer(ctx.optimizer, ctx.main_pairs())
+        cuda = any(p.is_cuda for p in ctx.params)
+        for timer in (self.move_time, self.restore_time, self.forward_time):
+            timer.cuda = cuda
 
     def before_forward(self, ctx: StageContext, mb: int) -> None:
         steps = ctx.planned_drift(mb)
@@ -119,19 +130,63 @@ class WeightPrediction(StageFeature):
         backwards = ctx.drift.group_backwards  # since the last step: the partial gradient's
         factor = None if ctx.per_token or not backwards \
             else ctx.accumulation / backwards / ctx.loss_scale() * ctx.buffer_sum_scale()
+        self.move_time.start()
         with _versions_kept(ctx.params):
             move_to_prediction(ctx.main_pairs(), steps, factor)
             ctx.gather_weights()
+        self.move_time.stop()
         self.moved = ctx.weights_moved = True
         self.predicted[steps] += 1
+        self.forward_time.start()
 
     def after_forward(self, ctx: StageContext, mb: int) -> None:
+        self.forward_time.stop()
         if self.moved:
+            self.restore_time.start()
             with _versions_kept(ctx.params):
                 restore_weights(ctx.main_pairs())
                 ctx.gather_weights()
+            self.restore_time.stop()
             self.moved = False
             ctx.weights_moved = True  # the next forward's weights differ from this one's
+
+
+def cost_lines(rows: List[dict], prefix: str = "> stage") -> List[str]:
+    """The end of a run, from every stage's summary: what a predicted forward cost each stage
+    that predicted, and the throughput that leaves PACI against 1F1B's (M = a; a backward
+    costs 2 forwards, the simulator's default; ``compare --project-costs measured`` projects
+    it properly). No lines when nothing was predicted or timed."""
+    timed = [r for r in rows if r.get("predict_ms") is not None and r.get("forward_ms")]
+    if not timed:
+        return []
+    lines = []
+    for row in timed:
+        moved = sum(row["predicted_forwards"].values())
+        lines.append(f"{prefix} {row['stage']}: weight prediction on {moved} forwards, "
+                     f"move + restore {row['predict_ms']:.2f} ms against {row['forward_ms']:.2f} "
+                     f"ms a forward ({row['predict_ms'] / row['forward_ms']:.1f} forwards)")
+    with_it, plain = projected_throughput(rows)
+    verdict = ("slower than 1F1B on this machine; --no-paci-weight-prediction runs plain PACI"
+               if with_it < 1.0 else "`python -m paci_megatron.tools.compare --project-costs "
+               "measured` projects whether its lower loss pays for that")
+    lines.append(f"> PACI: weight prediction's cost leaves a projected throughput of "
+                 f"{with_it:.2f}x 1F1B's (plain PACI {plain:.2f}x; backward = 2 forwards); "
+                 f"{verdict}")
+    return lines
+
+
+def projected_throughput(rows: List[dict]) -> Tuple[float, float]:
+    """(with prediction, plain PACI) throughput over 1F1B's, M = a: per micro-batch a stage
+    spends 3 forwards (f + b, b = 2f) plus its share of predicted forwards times their cost;
+    the slowest stage sets PACI's pace, 1F1B's is (a + P - 1) / a of the slowest compute."""
+    steps = max(r["steps"] for r in rows)
+    backwards = max(sum(r["histogram"].values()) for r in rows)
+    a = backwards / steps if steps else 1.0
+    plain = (a + len(rows) - 1) / a
+    work = [3.0 * r["forward_ms"] for r in rows if r.get("forward_ms")]
+    paced = [3.0 * r["forward_ms"] + r["predict_ms"] * sum(r["predicted_forwards"].values())
+             / max(1, sum(r["histogram"].values())) for r in rows if r.get("forward_ms")]
+    return plain * max(work) / max(paced), plain
 
 
 def _versions_kept(params):
