@@ -119,6 +119,11 @@ def test_sync_iters_run_stock_1f1b_first_then_paci(compared, seed):
     assert drift[0]["histogram"].get("1") == (ITERS - K) * 2 - 1
 
 
+def test_runs_that_do_not_predict_say_nothing_of_its_cost(compared):
+    out, stdout = compared  # fp32: no fp32 main copy to restore from, so no prediction
+    assert "Weight prediction's cost" not in (out / "report.md").read_text() + stdout
+
+
 def test_seeds_change_the_run(compared):
     out, _ = compared
     losses = [_train(_metrics(out, "1f1b", seed), "lm_loss") for seed in SEEDS]

@@ -50,6 +50,19 @@ def test_the_projection_uses_the_measured_costs(measured):
     assert "measured on the real model (median of 8; a one-stage model of 2 layers" in report
 
 
+def test_the_report_says_what_the_prediction_cost_in_the_run(measured):
+    """The run's own timing of its predicted forwards (stage 0; the last stage predicts
+    none), as its final metrics record carries it, in forwards of the same stage."""
+    out, stdout = measured
+    final = [json.loads(l) for l in (out / "paci.jsonl").read_text().splitlines()][-1]
+    (predict, none), (forward, _) = final["predict_ms"], final["predicted_forward_ms"]
+    assert predict > 0 and forward > 0 and none is None
+    line = ("Weight prediction's cost as the runs timed it: move + restore of a predicted "
+            "forward, in forwards of the same stage, per stage")
+    assert line in (out / "report.md").read_text() and line in stdout
+    assert f"paci {predict / forward:.1f}/-." in stdout
+
+
 def test_timing_flags_make_a_one_stage_model():
     flags = ["--num-layers", "8", "--hidden-size", "64", "--save", "ckpt", "--paci-sync-iters",
              "3", "--pipeline-model-parallel-size=4", "--measure-memory", "--lr", "1e-3"]

@@ -45,7 +45,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from ..simulate import Costs
 from . import tta
 from .compare_report import (X_PROJECTED, X_SAMPLES, X_UPDATES, budget_table, gap_table, plot,
-                             print_speedups, report_table, tta_table)
+                             prediction_cost_line, print_speedups, report_table, tta_table)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENTRY = os.path.join(REPO, "pretrain_gpt_paci.py")
@@ -265,6 +265,9 @@ def summarize(name: str, records: List[Dict], shape: tta.RunShape, costs: Costs,
         "peak_activation_mb": final.get("peak_activation_mb"),
         # per-iteration records know only the logging stage's drift; the final one has all
         "max_drift": final.get("max_drift") or (train[-1]["max_drift"] if train else None),
+        # per stage, a predicted forward's move + restore in forwards (None: not predicted)
+        "predict_in_forwards": [p and f and p / f for p, f in zip(
+            final.get("predict_ms") or [], final.get("predicted_forward_ms") or [])],
         "wall_s": final["wall_s"],
         "train_iters": final["iteration"],
     }
@@ -513,6 +516,7 @@ def compare(args, train_flags: List[str]) -> int:
     budget = budget_table(budget_rows(runs, base_name, control), base_name, control) \
         if control in runs else ""
     gtable = gap_table(runs, base_name)
+    cost_line = prediction_cost_line(runs)
     plots = plot(runs, args.out)
     predicted = f"{args.project_predict_ms:.4g} ms more" if args.project_predict_ms \
         else "no more (the prediction's cost left out)"
@@ -535,6 +539,8 @@ def compare(args, train_flags: List[str]) -> int:
                 "steady state (--paci-sync-iters iterations at 1F1B's pace; "
                 "projected s/iteration is the pace after them); interleaved from Megatron-Core's "
                 "order per rank, timed the same way.\n\n")
+        if cost_line:
+            f.write(cost_line + "\n\n")
         for p in plots:
             f.write(f"![{os.path.basename(p)}]({os.path.basename(p)})\n")
     print(table)
@@ -542,6 +548,8 @@ def compare(args, train_flags: List[str]) -> int:
     print(ttable)
     if budget:
         print(budget)
+    if cost_line:
+        print(cost_line)
     print_speedups(runs, rows, base_name)
     print(f"report: {os.path.join(args.out, 'report.md')}")
     return 0

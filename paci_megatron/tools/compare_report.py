@@ -68,6 +68,18 @@ def report_table(runs: Dict[str, List[Dict]], base_name: str) -> str:
     return "\n".join(rows)
 
 
+def prediction_cost_line(runs: Dict[str, List[Dict]]) -> str:
+    """What weight prediction cost where the runs timed it ("" when none did)."""
+    timed = {name: _per_stage_mean(seeds, "predict_in_forwards") for name, seeds in runs.items()
+             if all(r.get("predict_in_forwards") for r in seeds)}
+    if not timed:
+        return ""
+    return ("Weight prediction's cost as the runs timed it: move + restore of a predicted "
+            "forward, in forwards of the same stage, per stage (mean over seeds; the runs' "
+            "processes share this machine's cores): "
+            + "; ".join(f"{name} {_fmt(v)}" for name, v in timed.items()) + ".")
+
+
 def tta_table(rows: List[Dict], base_name: str) -> str:
     """One row per run and target; the speed-up over interleaved 1F1B is its own run's where
     there is one, else projected from the baseline's curve (see compare.interleaved_hits)."""
