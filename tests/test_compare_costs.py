@@ -23,7 +23,7 @@ def measured(tmp_path_factory):
         [sys.executable, "-m", "paci_megatron.tools.compare", "--schedules", "paci",
          "--project-costs", "measured", "--timeout", "400", "--out", str(out), "--",
          "--untie-embeddings-and-output-weights", "--num-layers", "4", "--hidden-size", "32",
-         "--seq-length", "16", "--train-iters", "2", "--paci-stale-grad-weight", "0.5",
+         "--seq-length", "16", "--train-iters", "2",
          "--bf16"],  # bf16: the run predicts by default, and the prediction is timed too
         capture_output=True, text=True, timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -2,11 +2,14 @@
 the optimizer's own step, the exact restore, and the flag's checks. The runtime against the
 emulator, and against plain PACI, is in test_reference.py; memory in test_memory_parity.py."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from paci_megatron.features import prediction_pass as pp
 from paci_megatron.features import weight_prediction as wp
-from paci_megatron.mcore.main_params import main_pairs
 from paci_megatron.schedule import Op, plan_stream
 from paci_megatron.shape import drift_bound, steps_in_flight
 
@@ -37,136 +40,279 @@ def test_a_flush_plan_predicts_nothing():
                for act in plan.call(1)[s] if act.op is Op.FORWARD)
 
 
-class _Mixed:
-    """Megatron's mixed-precision optimizer as the prediction reads it: bf16 model weights
-    (with the DDP's main_grad), fp32 main copies in the inner optimizer's groups."""
+def _flat_optimizer(inner_cls, sizes, steps=2, **kwargs):
+    """A torch optimizer over fp32 main weights laid out flat as ``StageLayout`` lays them:
+    two param groups (the second without weight decay, as Megatron's biases and norms), a
+    bf16 target and a gradient buffer of the same layout. Returns (optimizer, params, flat
+    buffers) after ``steps`` steps on random gradients."""
+    gen = torch.Generator().manual_seed(0)
+    total = sum(sizes)
+    main = torch.randn(total, generator=gen)
+    grad = torch.zeros(total)
+    params, offsets, start = [], [], 0
+    for size in sizes:
+        p = main[start:start + size]
+        p.grad = grad[start:start + size]
+        params.append(p)
+        offsets.append((start, start + size))
+        start += size
+    decay = kwargs.pop("weight_decay", 0.0)
+    groups = [dict(params=params[:-1], weight_decay=decay), dict(params=params[-1:], weight_decay=0.0)]
+    opt = inner_cls(groups, **kwargs)
+    for _ in range(steps):
+        grad.copy_(torch.randn(total, generator=gen) * 0.1)
+        opt.step()
+    return opt, params, offsets, dict(main=main, grad=grad, gen=gen)
 
-    def __init__(self, inner_cls, shapes, **kwargs):
-        gen = torch.Generator().manual_seed(0)
-        self.float16_groups = [[torch.nn.Parameter(torch.randn(*s, generator=gen).bfloat16())
-                                for s in shapes]]
-        self.fp32_from_float16_groups = [[p.detach().float() for p in self.float16_groups[0]]]
-        self.optimizer = inner_cls(self.fp32_from_float16_groups[0], **kwargs)
-        self.gen = gen
 
-    def pairs(self):
-        return list(zip(self.float16_groups[0], self.fp32_from_float16_groups[0]))
+def _pass(opt, params, offsets, flat, kind, clip=0.0, decoupled=True, pieces=1):
+    """The prediction's pass over the flat layout (cut into ``pieces`` pieces); the state
+    tensors are re-homed into flat buffers as the layout does."""
+    from paci_megatron.mcore.main_params import STATE_NAMES, _cut
 
-    def set_grads(self, scale=1.0):
-        for model, _main in self.pairs():
-            model.main_grad = torch.randn(model.shape, generator=self.gen) * scale
+    total = flat["main"].numel()
+    names = STATE_NAMES[kind]
+    state = tuple(torch.zeros(total) for _ in names)
+    for p, (lo, hi) in zip(params, offsets):
+        for name, buf in zip(names, state):
+            buf[lo:hi].copy_(opt.state[p][name])
+            opt.state[p][name] = buf[lo:hi]
+    klasses = [pp.Klass(kind, g, opt, True, decoupled, clip) for g in opt.param_groups]
+    runs = [(lo, hi, 0 if i < len(params) - 1 else 1) for i, (lo, hi) in enumerate(offsets)]
+    target = flat["main"].bfloat16()
+    bounds = [round(k * total / pieces) for k in range(pieces + 1)]
+    cut = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        inside = [(max(a, lo) - lo, min(b, hi) - lo, k) for a, b, k in runs if a < hi and b > lo]
+        cut += _cut(inside, target[lo:hi], flat["main"][lo:hi], tuple(s[lo:hi] for s in state),
+                    flat["grad"][lo:hi])
+    return pp.Pass(kind, cut, klasses), target
 
-    def step(self):
-        """Megatron's step: main grads from the buffers, the inner step, the model cast."""
-        for model, main in self.pairs():
-            main.grad = model.main_grad.clone()
-        self.optimizer.step()
-        for model, main in self.pairs():
-            model.data.copy_(main)
+
+def _predicted(stage_pass, opt, steps, factor, lr_sum=None, kernel="plain", scale=None):
+    """The prediction written into fp32 buffers in place of the bf16 targets."""
+    lr_sum = lr_sum or (lambda group, n: n * group["lr"])
+    layout = SimpleNamespace(stage_pass=stage_pass, step_count=lambda inner: _steps(opt))
+    targets = [p.target for p in stage_pass.pieces]
+    for piece in stage_pass.pieces:
+        piece.target = torch.zeros_like(piece.main)
+    stage_pass.kernel = kernel
+    moved = wp.predict_ahead(layout, steps, factor, lr_sum, scale)
+    out = torch.cat([p.target for p in stage_pass.pieces])
+    for piece, target in zip(stage_pass.pieces, targets):
+        piece.target = target
+    return out if moved else None
+
+
+def _steps(opt):
+    for state in opt.state.values():
+        if "step" in state:
+            return int(state["step"])
+    return 0
 
 
 OPTIMIZERS = [
-    (torch.optim.AdamW, dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)),
-    (torch.optim.Adam, dict(lr=1e-3, betas=(0.8, 0.99))),
-    (torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=0.01)),
-    (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True)),
+    ("adam", True, torch.optim.AdamW, dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)),
+    ("adam", False, torch.optim.Adam, dict(lr=1e-3, betas=(0.8, 0.99), weight_decay=0.1)),
+    ("sgd_momentum", True, torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=0.01)),
+    ("sgd_momentum", True, torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True,
+                                                 weight_decay=0.01)),
+    ("sgd", True, torch.optim.SGD, dict(lr=0.05, momentum=0.0, weight_decay=0.01)),
 ]
+SIZES = [3000, 700, 40, 5]  # the last param in the group without weight decay
 
 
-@pytest.mark.parametrize("inner_cls,kwargs", OPTIMIZERS)
-def test_one_step_predicted_from_the_whole_group_is_the_optimizers_step(inner_cls, kwargs):
-    """With the whole group's gradient (factor 1) the prediction is the step the optimizer
-    then takes, to fp32 rounding (torch orders its arithmetic differently)."""
-    opt = _Mixed(inner_cls, [(64, 32), (32,)], **kwargs)
-    for _ in range(3):
-        opt.set_grads()
-        opt.step()
-    opt.set_grads()
-    predicted = []
-    for pair in main_pairs(opt):
-        state = pair.inner.state[pair.main]
-        predict = wp._adam_prediction if "exp_avg" in state else wp._sgd_prediction
-        predicted.append(predict(pair.inner, pair.group, state,
-                                 wp._state_tensors(pair.inner, state, pair.main), pair.main,
-                                 pair.grad, 1.0, 1))
+@pytest.mark.parametrize("kind,decoupled,inner_cls,kwargs", OPTIMIZERS)
+@pytest.mark.parametrize("clip", [0.0, 0.3, 0.1])
+def test_one_step_predicted_from_the_whole_gradient_is_the_optimizers_clipped_step(
+        kind, decoupled, inner_cls, kwargs, clip):
+    """With the whole group's gradient (at a loss scale of 8, four backwards of four) the
+    prediction is the step torch then takes after clipping the gradient as Megatron does
+    (torch's clip_grad_norm_ is the independent reference: max / (norm + 1e-6)), to fp32
+    rounding, for AdamW, L2 Adam, SGD with and without momentum, over two param groups, three
+    pieces and a minor index list."""
+    opt, params, offsets, flat = _flat_optimizer(inner_cls, SIZES, **kwargs)
+    stage_pass, _target = _pass(opt, params, offsets, flat, kind, clip, decoupled, pieces=3)
+    assert sum(len(p.minors) for p in stage_pass.pieces) >= 1
+    mean = torch.randn(flat["main"].numel(), generator=flat["gen"]) * 0.5
+    flat["grad"].copy_(mean * 8.0)  # the buffer: gradient / a per backward, at scale 8
+    predicted = _predicted(stage_pass, opt, 1, wp.grad_factor(4, 4), scale=torch.tensor(8.0))
+    flat["grad"].copy_(mean)
+    norm = torch.nn.utils.clip_grad_norm_(params, clip) if clip else mean.norm()
+    if clip:
+        assert norm > clip  # clipping acted
+    before = flat["main"].clone()
     opt.step()
-    for value, (_model, main) in zip(predicted, opt.pairs()):
-        torch.testing.assert_close(value, main, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(predicted, flat["main"], rtol=2e-6, atol=1e-7)
+    assert (predicted - before).abs().max() > 100 * (predicted - flat["main"]).abs().max()
 
 
-def test_d_steps_ahead_is_d_times_one_step_and_without_gradient_uses_the_moments():
-    opt = _Mixed(torch.optim.AdamW, [(40, 8)], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
-    opt.set_grads()
-    opt.step()
-    (model, main), = opt.pairs()
-    state = opt.optimizer.state[main]
-    (pair,), inner = main_pairs(opt), opt.optimizer
-    group = pair.group
-    one, two = (wp._adam_prediction(inner, group, state, wp._state_tensors(inner, state, main),
-                                    main, None, 0.0, d) for d in (1, 2))
-    torch.testing.assert_close(two - main, 2 * (one - main), rtol=0, atol=3e-7)  # fp32 ulps of main
-    m, v, t = state["exp_avg"], state["exp_avg_sq"], float(state["step"]) + 1
-    expected = main - 1e-3 * (m / (1 - 0.9 ** t)) / ((v / (1 - 0.95 ** t)).sqrt() + 1e-8)
+def test_d_steps_ahead_extrapolate_the_next_step_at_the_next_d_learning_rates():
+    opt, params, offsets, flat = _flat_optimizer(
+        torch.optim.AdamW, SIZES, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    stage_pass, _ = _pass(opt, params, offsets, flat, "adam")
+    flat["grad"].copy_(torch.randn(flat["main"].numel(), generator=flat["gen"]))
+    lrs = {1: 1e-3, 2: 1e-3 + 7e-4, 3: 1e-3 + 7e-4 + 5e-4}  # a decaying schedule
+    main = flat["main"].clone()
+    one = _predicted(stage_pass, opt, 1, 1.0)
+    three = _predicted(stage_pass, opt, 3, 1.0,
+                       lambda group, n: lrs[n] if group["weight_decay"] else n * 1e-3)
+    decayed = slice(0, sum(SIZES[:-1]))
+    # with weight decay: main (1 - wd sum lr) - (sum lr / lr) x (the one step's update)
+    update = (main * (1 - 1e-3 * 0.1) - one) / 1e-3
+    expected = main * (1 - lrs[3] * 0.1) - lrs[3] * update
+    torch.testing.assert_close(three[decayed], expected[decayed], rtol=0, atol=2e-6)
+    rest = slice(sum(SIZES[:-1]), None)  # no decay, a constant LR: three times the step
+    torch.testing.assert_close(three[rest] - main[rest], 3 * (one[rest] - main[rest]),
+                               rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_a_gradient_that_will_skip_the_step_predicts_one_step_fewer_everywhere(steps):
+    """An Inf in one piece's gradient makes the step skip (fp16's found-inf, bf16's check):
+    every piece then predicts d - 1 steps from the moments alone (d = 1: no move at all),
+    decided once for the stage, without a host sync."""
+    opt, params, offsets, flat = _flat_optimizer(
+        torch.optim.AdamW, SIZES, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    stage_pass, _ = _pass(opt, params, offsets, flat, "adam", clip=0.5, pieces=3)
+    flat["grad"].copy_(torch.randn(flat["main"].numel(), generator=flat["gen"]))
+    flat["grad"][-2] = float("inf")  # in the last piece, in the no-decay group
+    skipped = _predicted(stage_pass, opt, steps, 1.0)
+    fewer = _predicted(stage_pass, opt, steps - 1, None) if steps > 1 else flat["main"]
+    torch.testing.assert_close(skipped, fewer, rtol=0, atol=0)
+    flat["grad"][-2] = 0.0
+    assert not torch.equal(_predicted(stage_pass, opt, steps, 1.0), skipped)
+
+
+def test_without_a_gradient_adam_moves_on_its_moments_and_sgd_does_not_move():
+    opt, params, offsets, flat = _flat_optimizer(
+        torch.optim.AdamW, SIZES, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    stage_pass, _ = _pass(opt, params, offsets, flat, "adam")
+    one = _predicted(stage_pass, opt, 1, None)
+    state = [opt.state[p] for p in params]
+    m = torch.cat([s["exp_avg"] for s in state])
+    v = torch.cat([s["exp_avg_sq"] for s in state])
+    t = _steps(opt) + 1
+    expected = flat["main"] - 1e-3 * (m / (1 - 0.9 ** t)) / ((v / (1 - 0.95 ** t)).sqrt() + 1e-8)
     torch.testing.assert_close(one, expected, rtol=1e-6, atol=3e-7)
+    opt, params, offsets, flat = _flat_optimizer(torch.optim.SGD, SIZES, lr=0.1, momentum=0.0)
+    stage_pass, _ = _pass(opt, params, offsets, flat, "sgd")
+    assert _predicted(stage_pass, opt, 1, None) is None  # nothing to go on: nothing moves
 
 
-def test_the_move_and_the_restore_are_in_place_chunked_and_exact(monkeypatch):
-    """The model weights take the prediction (cast to bf16) and get back their main copy's
-    cast bit for bit; a weight with no optimizer state yet stays; chunking changes nothing."""
-    opt = _Mixed(torch.optim.AdamW, [(300, 7), (5,)], lr=1e-2, betas=(0.9, 0.95))
-    opt.set_grads()
-    opt.step()
-    fresh = torch.nn.Parameter(torch.ones(3).bfloat16())  # joins after the first step
-    opt.float16_groups[0].append(fresh)
-    opt.fp32_from_float16_groups[0].append(fresh.detach().float())
-    opt.optimizer.param_groups[0]["params"].append(opt.fp32_from_float16_groups[0][-1])
-    opt.set_grads()
-    before = [m.detach().clone() for m in opt.float16_groups[0]]
-    storages = [m.data_ptr() for m in opt.float16_groups[0]]
-    wp.move_to_prediction(main_pairs(opt), 2, 0.5)
-    whole = [m.detach().clone() for m in opt.float16_groups[0]]
-    assert not torch.equal(whole[0], before[0]) and torch.equal(whole[2], before[2])
-    assert [m.data_ptr() for m in opt.float16_groups[0]] == storages
-    wp.restore_weights(main_pairs(opt))
-    assert all(torch.equal(m, b) for m, b in zip(opt.float16_groups[0], before))
-    monkeypatch.setattr(wp, "MIN_CHUNK", 64)  # 300 x 7 in 33 pieces
-    wp.move_to_prediction(main_pairs(opt), 2, 0.5)
-    assert all(torch.equal(m, w) for m, w in zip(opt.float16_groups[0], whole))
-    wp.restore_weights(main_pairs(opt))
-    assert all(torch.equal(m, b) for m, b in zip(opt.float16_groups[0], before))
+@pytest.mark.parametrize("kind,decoupled,inner_cls,kwargs", OPTIMIZERS[:3] + OPTIMIZERS[4:])
+@pytest.mark.parametrize("fold", [True, False])
+def test_the_fused_kernel_equals_the_plain_pass_to_bf16_rounding(kind, decoupled, inner_cls,
+                                                                kwargs, fold):
+    if pp.kernel_choice("cpu") != "fused":
+        pytest.skip("torch.compile does not run here")
+    if kind == "sgd" and not fold:
+        return
+    opt, params, offsets, flat = _flat_optimizer(inner_cls, SIZES * 30, **kwargs)
+    stage_pass, target = _pass(opt, params, offsets, flat, kind, 0.3, decoupled, pieces=2)
+    flat["grad"].copy_(torch.randn(flat["main"].numel(), generator=flat["gen"]))
+    factor = 0.5 if fold else None
+    layout = SimpleNamespace(stage_pass=stage_pass, step_count=lambda inner: _steps(opt))
+    results = {}
+    for kernel in ("plain", "fused"):
+        stage_pass.kernel = kernel
+        wp.predict_ahead(layout, 2, factor, lambda group, n: n * group["lr"])
+        results[kernel] = target.clone()
+        stage_pass.restore()
+    plain, fused = (results[k].float() for k in ("plain", "fused"))
+    assert not torch.equal(plain, flat["main"].bfloat16().float())  # it moved
+    ulp = torch.finfo(torch.bfloat16).eps * plain.abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+    assert ((fused - plain).abs() <= ulp).all()
+    assert (fused != plain).float().mean() < 0.01
 
 
-def test_an_overflowed_fp16_buffer_predicts_from_the_moments_alone():
-    opt = _Mixed(torch.optim.AdamW, [(8, 8)], lr=1e-3)
-    opt.set_grads()
-    opt.step()
-    (model, _main), = opt.pairs()
-    wp.move_to_prediction(main_pairs(opt), 1, None)
-    from_moments = model.detach().clone()
-    wp.restore_weights(main_pairs(opt))
-    model.main_grad[0, 0] = float("inf")
-    wp.move_to_prediction(main_pairs(opt), 1, 1.0)
-    assert torch.equal(model, from_moments)
+@pytest.mark.parametrize("kernel", ["plain", "fused"])
+def test_the_restore_is_megatrons_cast_bit_for_bit_and_in_place(kernel):
+    if kernel == "fused" and pp.kernel_choice("cpu") != "fused":
+        pytest.skip("torch.compile does not run here")
+    opt, params, offsets, flat = _flat_optimizer(
+        torch.optim.AdamW, SIZES, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    stage_pass, target = _pass(opt, params, offsets, flat, "adam", pieces=2)
+    flat["grad"].copy_(torch.randn(flat["main"].numel(), generator=flat["gen"]))
+    stage_pass.kernel = kernel
+    before, pointer = target.clone(), target.data_ptr()
+    layout = SimpleNamespace(stage_pass=stage_pass, step_count=lambda inner: _steps(opt))
+    wp.predict_ahead(layout, 1, 1.0, lambda group, n: n * group["lr"])
+    assert (target != before).float().mean() > 0.5 and target.data_ptr() == pointer
+    stage_pass.restore()
+    assert torch.equal(target, flat["main"].to(torch.bfloat16)) and torch.equal(target, before)
 
 
-def test_an_optimizer_it_cannot_predict_or_restore_from_is_refused():
-    from paci_megatron.flag import ConfigError
+class _Count(TorchDispatchMode):
+    """Operators dispatched that launch work (views launch none), and those that make a GPU
+    host wait (a scalar read back)."""
 
-    class Plain:  # fp32: the optimizer steps the model weights themselves
-        def __init__(self, inner):
-            self.optimizer = inner
+    SYNCS = {"aten._local_scalar_dense.default", "aten.item.default", "aten.is_nonzero.default"}
 
-    param = torch.nn.Parameter(torch.ones(2))
-    def check(opt):
-        wp.check_optimizer(opt, main_pairs(opt))
+    def __init__(self):
+        super().__init__()
+        self.ops, self.syncs = 0, 0
 
-    with pytest.raises(ConfigError, match="--bf16 or --fp16"):
-        check(Plain(torch.optim.AdamW([param])))
-    check(_Mixed(torch.optim.AdamW, [(2,)]))
-    with pytest.raises(ConfigError, match="AMSGrad"):
-        check(_Mixed(torch.optim.AdamW, [(2,)], amsgrad=True))
-    with pytest.raises(ConfigError, match="neither"):
-        check(_Mixed(torch.optim.Adagrad, [(2,)]))
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += not func.is_view
+        self.syncs += str(func) in self.SYNCS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kernel", ["plain", "fused"])
+def test_a_predicted_forward_has_no_host_sync_and_a_few_operators(kernel):
+    """Counted by a dispatch mode on CPU over a move and a restore, gradient folded, clipped,
+    at a loss scale: no scalar is read back. The fused pass is one compiled kernel for the
+    scalars, one per piece and minor list, the loss scale's inverse and one multi-tensor copy
+    (the compiled code itself never dispatches); the plain one about 16 operators for the
+    scalars and 25 per piece and minor list."""
+    if kernel == "fused" and pp.kernel_choice("cpu") != "fused":
+        pytest.skip("torch.compile does not run here")
+    opt, params, offsets, flat = _flat_optimizer(
+        torch.optim.AdamW, SIZES, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    stage_pass, _ = _pass(opt, params, offsets, flat, "adam", clip=0.3, pieces=2)
+    flat["grad"].copy_(torch.randn(flat["main"].numel(), generator=flat["gen"]))
+    stage_pass.kernel = kernel
+    layout = SimpleNamespace(stage_pass=stage_pass, step_count=lambda inner: 3)
+    calls = pp.fused_calls()
+    with _Count() as counter:
+        wp.predict_ahead(layout, 1, 0.25, lambda group, n: n * group["lr"], torch.tensor(4.0))
+        stage_pass.restore()
+    lists = len(stage_pass.pieces) + sum(len(p.minors) for p in stage_pass.pieces)
+    assert counter.syncs == 0
+    if kernel == "fused":
+        assert pp.fused_calls() - calls == 1 + lists
+        assert counter.ops == 2
+    else:
+        assert pp.fused_calls() == calls
+        assert counter.ops <= 16 + 25 * lists
+
+
+def test_the_fused_kernel_allocates_no_full_size_temporary(tmp_path):
+    """Peak resident memory around a fused move of 2 x 2^24 elements: a full-size fp32
+    temporary would add 128 MB; the kernel writes in place (checked in a fresh process)."""
+    if pp.kernel_choice("cpu") != "fused":
+        pytest.skip("torch.compile does not run here")
+    code = (
+        "import resource, torch\n"
+        "from paci_megatron.features import prediction_pass as pp\n"
+        "n = 1 << 25\n"
+        "main = torch.randn(n); m = torch.randn(n) * 1e-3; v = torch.rand(n) * 1e-6\n"
+        "g = torch.randn(n); t = torch.zeros(n, dtype=torch.bfloat16)\n"
+        "k = pp.Klass('adam', dict(betas=(0.9, 0.95), eps=1e-8, lr=1e-3, weight_decay=0.1), None)\n"
+        "p = pp.Pass('adam', [pp.Piece(t, main, (m, v), g, 0)], [k], kernel='fused')\n"
+        "rows = [pp.host_coefficients(k, (1e-3, 0.0), 3)]\n"
+        "pp.predict(p, [pp.host_coefficients(k, (1e-3, 0.0), 3)], 0.5)  # compile\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "pp.predict(p, rows, 0.5); p.restore()\n"
+        "after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "print('GROWTH_KB', after - before)\n")
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+    growth_kb = int(out.split("GROWTH_KB")[1])
+    assert growth_kb < 16 * 1024, growth_kb  # 2^25 fp32 elements are 128 MB
 
 
 @pytest.mark.parametrize("extra,message", [
@@ -247,35 +393,49 @@ def test_the_default_is_on_in_bf16_and_fp16_and_under_the_drop_in():
     assert ("--optimizer muon" in other.prediction_off) == wp.DEFAULT_PREDICTION
 
 
-@pytest.mark.parametrize("weight", [1.0, 0.5])
-def test_the_partial_gradient_is_the_groups_mean_so_far_as_the_step_will_weigh_it(
-        weight, monkeypatch):
-    """With --paci-stale-grad-weight the buffer is rescaled as the drift falls; the factor the
-    prediction reads it with still gives the weighted mean gradient of the backwards so far
-    (the plain mean at W = 1). The buffer holds each gradient / a at the loss scale, as
-    Megatron's does."""
+def _feature_ctx(feature, ahead, backwards=0, scale=None, per_token=False):
     from paci_megatron.executor import DriftStats
-    from paci_megatron.features import StageContext, StaleGradWeights, WeightPrediction
-    a, scale, drifts = 4, 8.0, [2, 1, 1]
-    features = [StaleGradWeights(weight), WeightPrediction()]
-    ctx = StageContext(stage=0, num_stages=4, drift=DriftStats(0, 2, version=2),
-                       features=features, accumulation=a, planned_drift=lambda mb: 1,
-                       loss_scale=lambda: scale)
-    grads = [torch.full((3,), float(10 ** i), dtype=torch.float64) for i in range(len(drifts))]
-    buffer = torch.zeros(3, dtype=torch.float64)
-    for mb, (drift, grad) in enumerate(zip(drifts, grads)):
-        ctx.drift.fwd_version[mb] = ctx.drift.version - drift  # as the executor records it
-        ctx.drift.on_backward(mb)
-        for feature in features:
-            buffer *= feature.backward_factor(ctx, drift)
-        buffer += grad * scale / a
+    from paci_megatron.features import StageContext
+
+    drift = DriftStats(0, 2, version=2)
+    drift.group_backwards = backwards
+    restored = []
+    feature.layout = SimpleNamespace(stage_pass=SimpleNamespace(restore=lambda: restored.append(1)),
+                                     on_step=lambda ok: None)
+    ctx = StageContext(stage=0, num_stages=4, drift=drift, features=[feature], accumulation=4,
+                       planned_drift=ahead.get, per_token=per_token,
+                       loss_scale_tensor=lambda: None if scale is None else torch.tensor(scale))
+    return ctx, restored
+
+
+@pytest.mark.parametrize("backwards,scale,per_token,expected", [
+    (3, 8.0, False, 4 / 3), (1, None, False, 4.0), (0, 8.0, False, None),
+    (2, 8.0, True, None)])
+def test_the_feature_folds_the_groups_mean_gradient_so_far_unscaled(
+        backwards, scale, per_token, expected, monkeypatch):
+    """The buffer after k of a group's a backwards holds sum(g_i) / a at the loss scale S: the
+    factor a / k and the scale (on the device) make it the mean so far, unscaled. Before the
+    group's first backward, and for per-token loss (token sums until R), nothing is folded."""
+    feature = wp.WeightPrediction()
+    ctx, restored = _feature_ctx(feature, {5: 2}, backwards, scale, per_token)
     seen = []
-    monkeypatch.setattr(wp, "move_to_prediction", lambda pairs, steps, f: seen.append(f))
-    features[1].before_forward(ctx, 3)
-    features[1].after_forward(ctx, 3)
-    weights = [weight ** d for d in drifts]
-    mean = sum(w * g for w, g in zip(weights, grads)) / sum(weights)
-    torch.testing.assert_close(buffer * seen[0], mean, rtol=1e-12, atol=0)
+    monkeypatch.setattr(wp, "predict_ahead", lambda layout, steps, f, lr_sum, loss_scale, r:
+                        seen.append((steps, f, loss_scale)) or True)
+    feature.before_forward(ctx, 5)
+    feature.after_forward(ctx, 5)
+    (steps, factor, loss_scale), = seen
+    assert steps == 2 and restored == [1] and feature.predicted == {2: 1}
+    assert factor == expected
+    assert (loss_scale is None) == (scale is None) and (scale is None or float(loss_scale) == scale)
+
+
+def test_a_forward_with_nothing_to_predict_from_is_neither_counted_nor_restored(monkeypatch):
+    feature = wp.WeightPrediction()
+    ctx, restored = _feature_ctx(feature, {0: 1})
+    monkeypatch.setattr(wp, "predict_ahead", lambda *a: False)  # SGD, no gradient yet
+    feature.before_forward(ctx, 0)
+    feature.after_forward(ctx, 0)
+    assert feature.predicted == {} and restored == [] and not ctx.weights_moved
 
 
 def test_the_feature_times_the_move_and_restore_apart_from_the_forward(monkeypatch):
@@ -283,14 +443,11 @@ def test_the_feature_times_the_move_and_restore_apart_from_the_forward(monkeypat
     forward itself between them (a forward that predicts nothing is not timed)."""
     import time
 
-    from paci_megatron.executor import DriftStats
-    from paci_megatron.features import StageContext, WeightPrediction
-    feature = WeightPrediction()
-    ahead = {0: 1, 1: 0}
-    ctx = StageContext(stage=0, num_stages=2, drift=DriftStats(0, 1), features=[feature],
-                       planned_drift=ahead.get)
-    monkeypatch.setattr(wp, "move_to_prediction", lambda *a: time.sleep(0.03))
-    monkeypatch.setattr(wp, "restore_weights", lambda *a: time.sleep(0.02))
+    feature = wp.WeightPrediction()
+    ctx, _restored = _feature_ctx(feature, {0: 1, 1: 0})
+    feature.layout.stage_pass.restore = lambda: time.sleep(0.02)
+    feature.layout.stage_pass.kernel = "plain"
+    monkeypatch.setattr(wp, "predict_ahead", lambda *a: time.sleep(0.03) or True)
     assert "predict_ms" not in feature.summary()
     for mb in (0, 1):
         feature.before_forward(ctx, mb)
@@ -300,6 +457,23 @@ def test_the_feature_times_the_move_and_restore_apart_from_the_forward(monkeypat
     assert row["predicted_forwards"] == {1: 1}
     assert row["predict_ms"] >= 50.0
     assert 2.0 <= row["forward_ms"] < 30.0  # the move is not the forward's
+
+
+@pytest.mark.parametrize("extra", [["--paci-stale-grad-weight", "0.2"],
+                                   ["--paci-stale-grad-correction", "2000"]])
+def test_prediction_beside_the_stale_gradient_weights_or_correction_is_refused(extra, capsys):
+    """Both weigh or correct a micro-batch by its planned drift, which a predicted forward no
+    longer has: asked for together, refused; by default, the prediction is off and says why."""
+    from paci_megatron.arguments import parse_and_validate
+
+    with pytest.raises(SystemExit):
+        parse_and_validate(["--pipeline-model-parallel-size", "2", "--bf16",
+                            "--untie-embeddings-and-output-weights", "--paci-weight-prediction",
+                            *extra], world_size=2)
+    err = capsys.readouterr().err
+    assert "--paci-weight-prediction does not combine with " + extra[0] in err
+    opts = _resolved("--bf16", *extra)
+    assert not opts.weight_prediction and extra[0] in opts.prediction_off
 
 
 def _row(stage, steps, backwards, predicted=0, predict_ms=None, forward_ms=None):

@@ -35,10 +35,16 @@ class StageContext:
     # what the action lists say: the stage's local steps between F mb and B mb
     planned_drift: Callable[[int], int] = lambda mb: 0
     loss_scale: Callable[[], float] = lambda: 1.0  # what the gradient buffers are scaled by
+    loss_scale_tensor: Callable[[], Any] = lambda: None  # the same, on the device (None: 1)
     weights_moved: bool = False  # a hook moved the weights: the next forward refreshes caches
-    # the weights with an fp32 main copy (mcore/main_params.py), and the distributed
-    # optimizer's all-gather that completes them after a move
-    main_pairs: Callable[[], list] = lambda: []
+    # the weight prediction's services (mcore/): the optimizer's check, the stage's flat state
+    # (main_params.StageLayout, made or re-homed at each stream start), the LRs of the next
+    # steps, the stage-local reduction of its clipping norm, and the distributed optimizer's
+    # all-gather that completes the weights after a move
+    check_prediction: Callable[[], None] = lambda: None
+    prediction_layout: Callable[[], Any] = lambda: None
+    lr_sum: Callable[[dict, int], float] = lambda group, steps: steps * group["lr"]
+    reduce_stage_sumsq: Optional[Callable[[Any], None]] = None
     gather_weights: Callable[[], None] = lambda: None
 
     def group_mean_drift(self) -> float:
@@ -49,19 +55,12 @@ class StageContext:
                 return mean
         return self.drift.group_mean_drift
 
-    def buffer_sum_scale(self) -> float:
-        """What the group's gradient buffer so far is multiplied by to be on the scale of the
-        unweighted sum of its backwards (1 unless a feature weighs them)."""
-        scale = 1.0
-        for feature in self.features:
-            scale *= feature.buffer_sum_scale()
-        return scale
-
 
 class StageFeature:
     """Base: every hook does nothing. Hooks, in the order a stage meets them:
 
     - ``on_bind``: the stage's optimizer is known (refuse one the feature cannot use);
+    - ``on_start``: a stream starts (the model is known; after a --load too);
     - ``before_forward`` / ``after_forward``: around a micro-batch's forward;
     - ``backward_factor``: on a backward, the factor the group's gradient buffer is scaled by
       before that micro-batch's gradient joins it, and ``token_weight``, its token count's;
@@ -89,6 +88,9 @@ class StageFeature:
     def on_bind(self, ctx: StageContext) -> None:
         pass
 
+    def on_start(self, ctx: StageContext) -> None:
+        pass
+
     def before_forward(self, ctx: StageContext, mb: int) -> None:
         pass
 
@@ -107,10 +109,6 @@ class StageFeature:
     def weighted_mean_drift(self) -> Optional[float]:
         """A feature that weighs gradients says how it weighs the group's drift."""
         return None
-
-    def buffer_sum_scale(self) -> float:
-        """A feature that scales the gradient buffer mid-group says what undoes it."""
-        return 1.0
 
     def before_step(self, ctx: StageContext) -> None:
         pass

@@ -109,9 +109,6 @@ class StaleGradWeights(StageFeature):
     def weighted_mean_drift(self) -> Optional[float]:
         return self.mean_drift
 
-    def buffer_sum_scale(self) -> float:
-        return self.finish(renormalize=True)  # the weighted mean, at an unweighted sum's scale
-
     def after_step(self, ctx: StageContext, record) -> None:
         self.reset()
 

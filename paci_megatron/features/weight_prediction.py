@@ -3,34 +3,36 @@ will meet.
 
 Under PACI a micro-batch whose backward comes after d local steps of its stage runs its
 forward on weights d steps older than the ones its backward uses. Before such a forward (the
-action lists say which: ``StreamPlan.steps_before_backward``) the stage moves its weights in
-place to what its optimizer would make of them in d steps, runs the forward, and puts them
-back. The prediction is linear (d times one step, as SpecTrain and FTPipe's "linear" mode) and
-uses the next step's LR and weight decay from the param groups (the LR scheduler has set them
-already), and for Adam the moments with the gradient the group has gathered so far folded in
-as the step would fold the whole group's (``grad_factor`` turns the DDP buffer into that mean;
-without it the moments alone). With the distributed optimizer each data-parallel rank moves
-its own shard and an all-gather over the stage's data-parallel group (stage-local) completes
-the weights, once for the move and once for the restore.
+action lists say which: ``StreamPlan.steps_before_backward``) the stage writes into its model
+weights what its optimizer's next d steps would make of them, runs the forward, and writes
+the weights back from the fp32 main copies, as Megatron's own step does: bit for bit.
 
-No copy of the weights: one piece of one parameter at a time (two fp32 temporaries), and the
-restore is exact because it is Megatron's own: the model weight cast from the optimizer's fp32
-main copy, which the prediction never touches. That copy exists under --bf16 and --fp16 only;
-in fp32 the weight is the optimizer's tensor and no in-place move can be undone bit for bit
-without a copy, so there the default leaves the prediction off (the start-up line says why)
-and the flag is refused. Parameters a mixed-precision optimizer keeps in fp32 without a main
-copy are left where they are.
+The prediction is the optimizer's own step (``prediction_pass.py``): the group's gradient so
+far, made the mean of its backwards and unscaled (fp16), clipped by the clip coefficient of
+that estimate (its norm reduced over the stage's grad-stats group, stage-local, as Megatron's
+clipping norm is), folded into Adam's moments or SGD's momentum as the step folds it (L2
+decay included), and d times the step, at the LRs of the next d steps. A gradient that holds
+Inf or NaN will make the next step skip: the prediction then aims d - 1 steps ahead and folds
+nothing, decided on the device. Weights whose gradient is complete only later (stage 0's tied
+embedding, weights reduced over tensor parallel at R, every weight with context parallelism)
+fold nothing: their moments alone. Before a group's first backward there is no gradient:
+the moments alone (SGD without momentum then has nothing to go on and moves nothing).
+
+No copy of the weights and no temporaries: the main copies and optimizer state are laid out
+flat (``mcore/main_params.py``) and one fused kernel per piece moves the weights
+(``torch.compile``; a plain chunked pass where it cannot run). That needs the fp32 main copy,
+which exists under --bf16 and --fp16 only: in fp32 the default leaves the prediction off
+(the start-up line says why) and the flag is refused.
 """
 
 from __future__ import annotations
 
-import math
 from collections import Counter
-from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from ..flag import ConfigError, Flag
-from .base import StageContext, StageFeature, sub_optimizers
+from .base import StageContext, StageFeature
+from .prediction_pass import host_coefficients, predict
 from .timer import SpanTimer
 
 # On by default under --pipeline-schedule paci wherever the run's flags allow it (the paper-
@@ -61,6 +63,14 @@ def unsupported(args) -> str:
         return "does not support --paci-accumulation-factor auto yet; give a fixed factor"
     if getattr(args, "optimizer", "adam") not in ("adam", "sgd"):
         return f"predicts Adam's and SGD's steps only, not --optimizer {args.optimizer}"
+    beside = [name for name, dest, off in (
+        ("--paci-stale-grad-weight", "paci_stale_grad_weight", 1.0),
+        ("--paci-stale-grad-correction", "paci_stale_grad_correction", 0.0))
+        if getattr(args, dest, None) not in (None, off)]
+    if beside:
+        return (f"does not combine with {' or '.join(beside)}: a predicted forward is no "
+                "longer stale, so weighing or correcting its gradient by the planned drift "
+                "would count the staleness twice; drop one of them")
     return ""
 
 
@@ -90,6 +100,7 @@ class WeightPrediction(StageFeature):
 
     def __init__(self):
         self.moved = False
+        self.layout = None  # the stage's flat prediction state (mcore/main_params.py)
         self.predicted = Counter()  # steps ahead -> forwards run on predicted weights
         # what it costs, beside a forward: the end-of-run report (``cost_lines``)
         self.move_time, self.restore_time, self.forward_time = SpanTimer(), SpanTimer(), SpanTimer()
@@ -114,11 +125,16 @@ class WeightPrediction(StageFeature):
         forward = self.forward_time.mean_ms()
         if move is not None and restore is not None and forward is not None:
             row.update(predict_ms=round(move + restore, 3), forward_ms=round(forward, 3))
+        if self.layout is not None:
+            row["prediction_kernel"] = self.layout.stage_pass.kernel
         return row
 
     def on_bind(self, ctx: StageContext) -> None:
-        check_optimizer(ctx.optimizer, ctx.main_pairs())
-        cuda = any(p.is_cuda for p in ctx.params)
+        ctx.check_prediction()
+
+    def on_start(self, ctx: StageContext) -> None:
+        self.layout = ctx.prediction_layout()
+        cuda = self.layout.stage_pass.device.type == "cuda"
         for timer in (self.move_time, self.restore_time, self.forward_time):
             timer.cuda = cuda
 
@@ -126,29 +142,36 @@ class WeightPrediction(StageFeature):
         steps = ctx.planned_drift(mb)
         if not steps:
             return
-        # the buffer as the group's mean gradient so far (weighted as the step will weigh it)
         backwards = ctx.drift.group_backwards  # since the last step: the partial gradient's
         factor = None if ctx.per_token or not backwards \
-            else ctx.accumulation / backwards / ctx.loss_scale() * ctx.buffer_sum_scale()
+            else grad_factor(ctx.accumulation, backwards)
         self.move_time.start()
         with _versions_kept(ctx.params):
-            move_to_prediction(ctx.main_pairs(), steps, factor)
-            ctx.gather_weights()
+            moved = predict_ahead(self.layout, steps, factor, ctx.lr_sum,
+                                  ctx.loss_scale_tensor(), ctx.reduce_stage_sumsq)
+            if moved:
+                ctx.gather_weights()
         self.move_time.stop()
+        if not moved:
+            return
         self.moved = ctx.weights_moved = True
         self.predicted[steps] += 1
         self.forward_time.start()
 
     def after_forward(self, ctx: StageContext, mb: int) -> None:
+        if not self.moved:
+            return
         self.forward_time.stop()
-        if self.moved:
-            self.restore_time.start()
-            with _versions_kept(ctx.params):
-                restore_weights(ctx.main_pairs())
-                ctx.gather_weights()
-            self.restore_time.stop()
-            self.moved = False
-            ctx.weights_moved = True  # the next forward's weights differ from this one's
+        self.restore_time.start()
+        with _versions_kept(ctx.params):
+            self.layout.stage_pass.restore()
+            ctx.gather_weights()
+        self.restore_time.stop()
+        self.moved = False
+        ctx.weights_moved = True  # the next forward's weights differ from this one's
+
+    def after_step(self, ctx: StageContext, record) -> None:
+        self.layout.on_step(record.update_successful)
 
 
 def cost_lines(rows: List[dict], prefix: str = "> stage") -> List[str]:
@@ -196,133 +219,27 @@ def _versions_kept(params):
     return keep_version_counters(params)
 
 
-@dataclass
-class MainPair:
-    """One weight the prediction can move: where its model values live (``target``, written
-    in place), its fp32 main copy (or this rank's shard of it), the matching gradient buffer
-    slice, and the optimizer and param group that step it (``mcore/main_params.py``)."""
-
-    inner: object
-    group: dict
-    target: object
-    main: object
-    grad: object = None
-    sequence_parallel: bool = False
+def grad_factor(accumulation: int, backwards: int) -> float:
+    """What turns the gradient buffer after ``backwards`` of a group's ``accumulation`` into
+    the mean gradient of those backwards (each adds its gradient / a; the loss scale is taken
+    out on the device)."""
+    return accumulation / backwards
 
 
-def check_optimizer(optimizer, pairs: List[MainPair]) -> None:
-    """Adam's family or SGD, with an fp32 main copy to restore from."""
-    if not pairs:
-        raise ConfigError("--paci-weight-prediction found no parameter with an fp32 main copy "
-                          "in the stage's optimizer: train with --bf16 or --fp16")
-    for opt in sub_optimizers(optimizer):
-        for group in opt.optimizer.param_groups:
-            if "betas" not in group and "momentum" not in group:
-                raise ConfigError(f"--paci-weight-prediction predicts Adam's and SGD's steps; "
-                                  f"{type(opt.optimizer).__name__} is neither")
-            if group.get("amsgrad"):
-                raise ConfigError("--paci-weight-prediction does not predict AMSGrad steps")
-
-
-def move_to_prediction(pairs: List[MainPair], steps: int, grad_factor: Optional[float]) -> None:
-    """Write into each weight its main copy ``steps`` optimizer steps ahead. A weight without
-    optimizer state yet (before its first step) stays. ``grad_factor`` times the gradient
-    buffer is the group's mean gradient so far (None: use the moments alone). The distributed
-    optimizer's shards then need ``gather_weights``."""
-    for pair in pairs:
-        state = pair.inner.state.get(pair.main)
-        if not state:
-            continue
-        grad = pair.grad if grad_factor else None
-        if pair.sequence_parallel:
-            grad = None  # partial on each tensor-parallel rank until finalize: would differ
-        predict = _adam_prediction if "exp_avg" in state else _sgd_prediction
-        tensors = _state_tensors(pair.inner, state, pair.main)
-        for part in _chunks(pair.target, pair.main, grad, *tensors.values()):
-            target, main_part, grad_part, *state_parts = part
-            predicted = predict(pair.inner, pair.group, state,
-                                dict(zip(tensors, state_parts)), main_part, grad_part,
-                                grad_factor or 0.0, steps)
-            if predicted is not None:
-                target.copy_(predicted)
-
-
-def restore_weights(pairs: List[MainPair]) -> None:
-    """The weights as Megatron derives them from the main copies (bit for bit)."""
-    for pair in pairs:
-        pair.target.copy_(pair.main)
-
-
-# The temporaries (two fp32 pieces) are per chunk: a weight is cut into PIECES chunks of at
-# least MIN_CHUNK elements, so they stay a few percent of the largest weight's own state and
-# below one micro-batch's activations, at a few dozen kernels per large weight.
-PIECES = 32
-MIN_CHUNK = 1 << 14
-
-
-def _chunks(*tensors):
-    """Matching flat pieces of same-shaped tensors (None stays None)."""
-    present = [t for t in tensors if t is not None]
-    if not all(t.is_contiguous() for t in present):
-        yield tensors
-        return
-    numel = present[0].numel()
-    size = max(MIN_CHUNK, -(-numel // PIECES))
-    flat = [None if t is None else t.view(-1) for t in tensors]
-    for start in range(0, numel, size):
-        yield [None if t is None else t[start:start + size] for t in flat]
-
-
-def _state_tensors(inner, state, main) -> dict:
-    """The optimizer's per-element state of ``main`` in fp32 units (TE may keep it scaled)."""
-    names = [n for n in ("exp_avg", "exp_avg_sq", "momentum_buffer")
-             if state.get(n) is not None]
-    tensors = {n: state[n] for n in names}
-    if hasattr(inner, "get_unscaled_state"):
-        tensors = {n: (inner.get_unscaled_state(main, n) if t.dtype != main.dtype else t)
-                   for n, t in tensors.items()}
-    return tensors
-
-
-def _adam_prediction(inner, group, state, moments, main, grad, factor: float, steps: int):
-    """Adam/AdamW: main - steps x (the next step's update); torch's, to fp32 rounding."""
-    beta1, beta2 = group["betas"]
-    lr, eps, decay = group["lr"], group["eps"], group.get("weight_decay", 0.0)
-    exp_avg, exp_avg_sq = moments["exp_avg"], moments["exp_avg_sq"]
-    t = float(state["step"] if "step" in state else group.get("step", 0)) + 1  # Apex/TE: group
-    if grad is not None:
-        num = exp_avg.mul(beta1).add_(grad, alpha=(1 - beta1) * factor)
-        den = exp_avg_sq.mul(beta2).addcmul_(grad, grad, value=(1 - beta2) * factor * factor)
-        if not bool(den.isfinite().all()):  # an fp16 overflow, which the step will skip
-            grad = None
-    if grad is None:
-        num, den = exp_avg.clone(), exp_avg_sq.clone()
-    den.sqrt_().div_(math.sqrt(1 - beta2 ** t)).add_(eps)
-    num.div_(den)
-    del den
-    num.mul_(-steps * lr / (1 - beta1 ** t))
-    decoupled = group.get("decoupled_weight_decay",
-                          getattr(inner, "adam_w_mode", type(inner).__name__ == "AdamW"))
-    keep = 1 - steps * lr * decay if decoupled else 1.0
-    return num.add_(main, alpha=keep)
-
-
-def _sgd_prediction(inner, group, state, moments, main, grad, factor: float, steps: int):
-    """SGD: the momentum buffer with the partial gradient folded in as the step folds the
-    whole group's; without momentum, the partial gradient alone; None: nothing to go on."""
-    lr, momentum = group["lr"], group.get("momentum", 0.0)
-    buf = moments.get("momentum_buffer")
-    if grad is None and buf is None:
-        return None
-    if grad is None:
-        update = buf.clone()
-    else:
-        update = grad.mul(factor)
-        if not bool(update.isfinite().all()):  # an fp16 overflow, which the step will skip
-            return None if buf is None else buf.clone().mul_(-steps * lr).add_(main)
-        if group.get("weight_decay"):
-            update.add_(main, alpha=group["weight_decay"])
-        if buf is not None and momentum:
-            step_buf = buf.mul(momentum).add_(update, alpha=1 - group.get("dampening", 0.0))
-            update = update.add_(step_buf, alpha=momentum) if group.get("nesterov") else step_buf
-    return update.mul_(-steps * lr).add_(main)
+def predict_ahead(layout, steps: int, factor: Optional[float], lr_sum: Callable[[dict, int], float],
+                  loss_scale=None, reduce_sumsq=None) -> bool:
+    """Write the stage's prediction ``steps`` local steps ahead into its model weights (the
+    runtime's feature and the emulator both call this). ``factor``: ``grad_factor`` of the
+    group so far, None to fold nothing; ``lr_sum(group, n)``: the sum of the LRs of the next
+    n steps; ``loss_scale``: the gradient buffers' scale on the device (None: 1). False when
+    there is nothing to predict from (SGD without momentum and without a gradient): nothing
+    moved."""
+    stage_pass = layout.stage_pass
+    if stage_pass.kind == "sgd" and factor is None:
+        return False
+    rows = [host_coefficients(k, (lr_sum(k.group, steps), lr_sum(k.group, steps - 1)),
+                              layout.step_count(k.inner), factor or 0.0)
+            for k in stage_pass.klasses]
+    inv_scale = None if loss_scale is None else loss_scale.reciprocal()
+    predict(stage_pass, rows, inv_scale, factor is not None, reduce_sumsq)
+    return True

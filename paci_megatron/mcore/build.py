@@ -307,8 +307,12 @@ def build_optimizer(
     min_loss_scale: float = 1.0,
     loss_scale_window: int = 1000,
     hysteresis: int = 2,
+    optimizer: str = "adam",
+    sgd_momentum: float = 0.9,
+    decoupled_weight_decay: bool = True,
 ):
-    """Megatron's Adam via ``get_megatron_optimizer``; also sets ``config.grad_scale_func``.
+    """Megatron's Adam (AdamW, or L2 Adam without ``decoupled_weight_decay``) or SGD via
+    ``get_megatron_optimizer``; also sets ``config.grad_scale_func``.
     With ``fp16`` the optimizer keeps fp32 main weights and a loss scaler: static with
     ``loss_scale``, else dynamic (Megatron-LM's --initial-loss-scale, --min-loss-scale,
     --loss-scale-window, --hysteresis)."""
@@ -324,7 +328,9 @@ def build_optimizer(
             f"({ddp_config.use_distributed_optimizer})"
         )
     opt_config = OptimizerConfig(
-        optimizer="adam",
+        optimizer=optimizer,
+        sgd_momentum=sgd_momentum,
+        decoupled_weight_decay=decoupled_weight_decay,
         lr=lr,
         min_lr=min_lr,
         weight_decay=weight_decay,

@@ -27,8 +27,9 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.pipeline_parallel import schedules as mcore_schedules
 from megatron.core.utils import get_model_config, get_model_type
 
-from ..features.weight_prediction import move_to_prediction, restore_weights
-from .main_params import main_pairs
+from ..features.weight_prediction import predict_ahead
+from ..flag import ConfigError
+from . import main_params
 
 
 def _sync() -> None:
@@ -58,11 +59,15 @@ def time_stage_actions(job, repeats: int, warmup: int) -> Dict[str, float]:
     model_type = get_model_type(model)
     times: Dict[str, List[float]] = {"forward_ms": [], "backward_ms": [], "step_ms": [],
                                      "predict_ms": []}
-    pairs = main_pairs(job.optimizer)
+    try:
+        layout = main_params.StageLayout(model, job.optimizer)
+    except ConfigError:  # no fp32 main copies: such a run cannot predict
+        layout = None
 
     def predict():  # one step ahead with the gradient folded in, as on a stale forward
-        move_to_prediction(pairs, 1, 1.0)
-        restore_weights(pairs)
+        predict_ahead(layout, 1, 1.0, lambda group, n: n * group["lr"],
+                      main_params.loss_scale_tensor(job.optimizer))
+        layout.stage_pass.restore()
 
     for i in range(warmup + repeats):
         model.zero_grad_buffer()
@@ -81,7 +86,7 @@ def time_stage_actions(job, repeats: int, warmup: int) -> Dict[str, float]:
             model.zero_grad_buffer()
             job.optimizer.zero_grad()
 
-        prd, _ = _timed(predict) if pairs else (0.0, None)  # exact restore: the step is as before
+        prd, _ = _timed(predict) if layout else (0.0, None)  # exact restore: the step is as before
         stp, _ = _timed(step)
         if i >= warmup:
             for key, seconds in zip(times, (fwd, bwd, stp, prd)):

@@ -29,11 +29,13 @@ from megatron.core.utils import get_model_config, get_model_type
 
 from ..autograd_versions import keep_version_counters
 from ..emulate import run_global
-from ..features.weight_prediction import move_to_prediction, restore_weights
+from ..features.weight_prediction import grad_factor, predict_ahead
 from ..schedule import Action, StreamPlan, plan_stream
 from ..shape import StreamShape, closes_group, steps_in_flight, tied_lag
 from . import build
-from .main_params import gather_weights, main_pairs
+from . import main_params
+from .admission import stage_grad_stats_group
+from .main_params import gather_weights
 from .checkpoint import weights_sha256
 from .tied import grad_of, install, main_param, shared_weight
 
@@ -143,6 +145,7 @@ class _Stage:
     group_drifts: List[int] = field(default_factory=list)  # since the step, in order
     step_drifts: List[int] = field(default_factory=list)  # the same, for the correction
     predicted: Dict[int, int] = field(default_factory=dict)  # steps ahead -> forwards
+    layout: Any = None  # --paci-weight-prediction: the stage's flat state (main_params)
 
 
 class TiedState:
@@ -232,7 +235,7 @@ class PipelineEmulator:
         store: list = []
         ahead = self._steps_ahead(stage, mb)
         if ahead:
-            self._predict(stage, ahead)
+            ahead = ahead if self._predict(stage, ahead) else 0
         output, tokens = mcore_schedules.forward_step(
             self.forward_step_func, data, model, self.accumulation, stage.inputs.get(mb),
             store, get_model_config(model), cp_group_size=1,
@@ -241,7 +244,7 @@ class PipelineEmulator:
         stage.fresh_weights = bool(ahead)
         if ahead:
             with keep_version_counters(list(model.parameters())):
-                restore_weights(main_pairs(stage.parts.optimizer))
+                stage.layout.stage_pass.restore()
                 gather_weights(stage.parts.optimizer)
         stage.outputs[mb] = output
         stage.fwd_version[mb] = stage.version
@@ -259,19 +262,31 @@ class PipelineEmulator:
             return 0
         return steps_in_flight(self.num_stages, stage.index, self.accumulation, mb)
 
-    def _predict(self, stage: _Stage, steps: int) -> None:
+    def _predict(self, stage: _Stage, steps: int) -> bool:
         """Move the stage's weights ``steps`` optimizer steps ahead, with the mean of the
-        gradients of the group's backwards so far (not for per-token loss: token sums)."""
+        gradients of the group's backwards so far (not for per-token loss: token sums).
+        False: nothing to predict from, nothing moved."""
         model, optimizer = stage.parts.model, stage.parts.optimizer
+        if stage.layout is None:
+            partial = [self.tied.owner] if self.tied is not None and stage.index == 0 else []
+            stage.layout = main_params.StageLayout(
+                model, optimizer, partial=partial,
+                tp_group=parallel_state.get_tensor_model_parallel_group())
         done = len(stage.step_drifts)
         per_token = get_model_config(model).calculate_per_token_loss
-        factor = None if per_token or not done \
-            else self.accumulation / done / float(optimizer.get_loss_scale()) \
-            * self._weighted_sum_scale(stage)
+        factor = None if per_token or not done else grad_factor(self.accumulation, done)
+        scheduler = stage.parts.lr_scheduler
         with keep_version_counters(list(model.parameters())):
-            move_to_prediction(main_pairs(optimizer), steps, factor)
-            gather_weights(optimizer)
-        stage.predicted[steps] = stage.predicted.get(steps, 0) + 1
+            moved = predict_ahead(
+                stage.layout, steps, factor,
+                lambda group, n: main_params.lr_sum(scheduler, self.lr_increment, group, n),
+                main_params.loss_scale_tensor(optimizer),
+                lambda t: main_params.reduce_over(t, stage_grad_stats_group(optimizer)))
+            if moved:
+                gather_weights(optimizer)
+        if moved:
+            stage.predicted[steps] = stage.predicted.get(steps, 0) + 1
+        return moved
 
     def _send_f(self, stage: _Stage, mb: int) -> None:
         out = stage.outputs[mb]
@@ -319,14 +334,6 @@ class PipelineEmulator:
         if stage.group_drifts and stage.group_drifts[-1] != drift:
             stage.parts.model.scale_gradients(w ** (stage.group_drifts[-1] - drift))
         stage.group_drifts.append(drift)
-
-    def _weighted_sum_scale(self, stage: _Stage) -> float:
-        """What puts the group's weighted buffer so far on an unweighted sum's scale (the
-        weighted mean x its count); 1 without weights."""
-        drifts, w = stage.group_drifts, self.stale_grad_weight
-        if not drifts:
-            return 1.0
-        return w ** drifts[-1] * (len(drifts) / sum(w ** d for d in drifts))
 
     def _finish_stale_weights(self, stage: _Stage) -> None:
         drifts, w = stage.group_drifts, self.stale_grad_weight
@@ -393,6 +400,8 @@ class PipelineEmulator:
             undo = tied.last_main.detach().clone()
         with keep_version_counters(list(model.parameters())):
             ok, grad_norm = self._optimizer_step(stage)
+        if stage.layout is not None:
+            stage.layout.on_step(bool(ok))
         if tied is not None:
             if undo is not None:
                 install(tied.last, tied.last_main, undo)

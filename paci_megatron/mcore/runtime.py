@@ -112,6 +112,7 @@ class PaciRuntime:
         self.features: List[StageFeature] = []
         self.ctx = StageContext(self.stage, self.num_stages, self.drift)
         self._drift_plans: dict = {}  # planned_drift's cache
+        self._layout = None  # the weight prediction's flat state (main_params.StageLayout)
 
     # wiring ----------------------------------------------------------------------------------
     def bind(self, optimizer, lr_scheduler=None, lr_increment: Optional[int] = None) -> None:
@@ -120,13 +121,36 @@ class PaciRuntime:
         self.lr_scheduler = lr_scheduler
         self.lr_increment = lr_increment
         self.ctx.optimizer = optimizer
-        self.ctx.main_pairs = lambda: main_params.main_pairs(optimizer)
-        self.ctx.gather_weights = lambda: main_params.gather_weights(optimizer)
+        self._wire_prediction(optimizer)
         for feature in self.user_features:
             feature.on_bind(self.ctx)
         self._stock_grad_groups = [getattr(opt, "grad_stats_parallel_group", None)
                                    for opt in sub_optimizers(optimizer)]
         self._use_stage_grad_stats(self.kind == "paci")
+
+    def _wire_prediction(self, optimizer) -> None:
+        """What the weight prediction reads of this stage (features/base.StageContext)."""
+        ctx = self.ctx
+        ctx.check_prediction = lambda: main_params.check_optimizer(optimizer)
+        ctx.prediction_layout = self.prediction_layout
+        ctx.lr_sum = lambda group, steps: main_params.lr_sum(
+            self.lr_scheduler, self.lr_increment_now(), group, steps)
+        ctx.loss_scale_tensor = lambda: main_params.loss_scale_tensor(optimizer)
+        ctx.reduce_stage_sumsq = lambda t: main_params.reduce_over(
+            t, admission.stage_grad_stats_group(optimizer))
+        ctx.gather_weights = lambda: main_params.gather_weights(optimizer)
+
+    def prediction_layout(self):
+        """The stage's flat prediction state: made at the first stream, its replaced tensors
+        (a --load) re-homed at each later one."""
+        if self._layout is None:
+            partial = [shared_weight(self.model)] if self.is_first \
+                and self._tied_in_plans(self.model) else []
+            self._layout = main_params.StageLayout(self.model, self.optimizer, partial=partial,
+                                                   cp_size=self.pg.cp.size(), tp_group=self.pg.tp)
+        else:
+            self._layout.rehome()
+        return self._layout
 
     def _use_stage_grad_stats(self, stage_local: bool) -> None:
         """PACI reduces grad norm / found-inf within the stage; stock 1F1B (and the sync
@@ -225,6 +249,8 @@ class PaciRuntime:
         self.features = ([self.tied] if self.tied is not None else []) + self.user_features \
             + list(self.policy.features)
         self._tell_features()
+        for feature in self.features:
+            feature.on_start(self.ctx)
         self.call_index = 0
         self.gathers_params = self.kind == "paci" and param_gather.overlaps_param_gather(model)
         self.data = ReplayIterator(data_iterator) if self.data is None else self.data
