@@ -127,11 +127,14 @@ def memory_record(job) -> Dict:
     the process's resident memory."""
     activation = job.meter.peak / 2**20 if job.meter is not None else None
     whole = build.peak_device_memory_mb()
+    record = {}
     if job.live_meter is not None:
         job.live_meter.stop()
         whole = job.live_meter.peak / 2**20
+        if job.live_meter.window_peak:  # inside the predicted forwards
+            record["peak_predicted_forward_mb"] = job.live_meter.window_peak / 2**20
     return {"stage": job.info["pp_rank"], "peak_memory_mb": whole,
-            "peak_activation_mb": activation, "peak_rss_mb": build.peak_rss_mb()}
+            "peak_activation_mb": activation, "peak_rss_mb": build.peak_rss_mb(), **record}
 
 
 def log_start(job) -> None:
@@ -185,6 +188,8 @@ def final_record(job, summary: Dict, validation: Optional[float]) -> Dict:
             "validation_loss": validation, "wall_s": time.perf_counter() - job.started,
             "max_drift": [r["max"] for r in drift],
             "peak_memory_mb": [m["peak_memory_mb"] for m in memory],
+            **({"peak_predicted_forward_mb": [m.get("peak_predicted_forward_mb") for m in memory]}
+               if any("peak_predicted_forward_mb" in m for m in memory) else {}),
             "skipped_steps": [r["skipped_steps"] for r in drift],
             "peak_rss_mb": [m["peak_rss_mb"] for m in memory],
             "peak_activation_mb": [m["peak_activation_mb"] for m in memory]}

@@ -88,6 +88,8 @@ class LiveTensorMeter:
     def __init__(self):
         self.live = 0
         self.peak = 0
+        self.window_peak = 0  # the peak inside windows (``window_start`` ... ``window_stop``)
+        self._in_window = False
         self._tracked: Dict[int, tuple] = {}
         self._mode = None
 
@@ -110,6 +112,19 @@ class LiveTensorMeter:
 
     def note_peak(self) -> None:
         self.peak = max(self.peak, self.live)
+        if self._in_window:
+            self.window_peak = max(self.window_peak, self.live)
+
+    def window_start(self) -> None:
+        """From here to ``window_stop`` the peak is also counted in ``window_peak`` (the
+        weight prediction marks its predicted forwards, move and restore included)."""
+        self._in_window = True
+        self.note_peak()
+
+    def window_stop(self) -> None:
+        self.sweep()
+        self.note_peak()
+        self._in_window = False
 
     def start(self) -> "LiveTensorMeter":
         with warnings.catch_warnings():  # isinstance() wakes deprecated module attributes

@@ -211,6 +211,8 @@ def setup(args, opts: PaciConfig) -> Job:
     resumed = job.iteration > 0 or restart > 0  # records after job.iteration are replayed
     if args.measure_memory and not torch.cuda.is_available():
         job.live_meter = LiveTensorMeter().start()
+        if job.runtime is not None:
+            job.runtime.ctx.memory_window = job.live_meter
     if reporter and args.metrics_file:
         if resumed:
             trim_metrics_file(args.metrics_file, job.iteration)

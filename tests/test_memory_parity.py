@@ -1,5 +1,6 @@
 """PACI's whole-stage peak memory is 1F1B's (CPU live-tensor meter), at P=4 with Adam in
-bf16, with and without --paci-weight-prediction (no copy of the weights, chunked temporaries)."""
+bf16, with and without --paci-weight-prediction (no copy of the weights, no temporaries), and
+so is the peak inside every predicted forward, its move and restore included."""
 
 import json
 
@@ -41,10 +42,22 @@ def test_paci_peak_memory_per_stage_is_1f1b_s(run, peaks):
         assert p <= 1.02 * s, (stage, p, s)
 
 
+def test_the_peak_inside_a_predicted_forward_is_within_1f1bs(peaks):
+    inside, stock = peaks["paci-predict"]["peak_predicted_forward_mb"], peaks["1f1b"]["peak_memory_mb"]
+    assert inside[3] is None  # the last stage predicts nothing
+    for stage, (p, s) in enumerate(zip(inside[:3], stock)):
+        assert 0 < p <= 1.02 * s, (stage, p, s)
+
+
 def test_the_predicted_run_did_predict_on_the_stale_stages(peaks):
-    summary = json.loads(peaks["paci-predict"]["log"].split("PACI_SUMMARY ")[1].splitlines()[0])
-    predicted = [row["predicted_forwards"] for row in summary["drift"]]
+    """Stale forwards on stages 0-2 were predicted, and the prediction moved the weights:
+    the run's losses are not plain PACI's."""
+    logs = {run: json.loads(peaks[run]["log"].split("PACI_SUMMARY ")[1].splitlines()[0])
+            for run in ("paci", "paci-predict")}
+    predicted = [row["predicted_forwards"] for row in logs["paci-predict"]["drift"]]
     assert all(predicted[:3]) and predicted[3] == {}
+    first, plain = logs["paci-predict"]["losses"], logs["paci"]["losses"]
+    assert first[0] == plain[0] and first[1:] != plain[1:]  # the first iteration: no update
 
 
 def test_the_end_of_run_report_says_what_the_prediction_cost(peaks):

@@ -223,8 +223,10 @@ PREDICTED = {"p4_bf16_predict": "p4_bf16", "p4_tied_bf16_predict": "p4_tied_bf16
 @pytest.mark.parametrize("case", sorted(PREDICTED))
 def test_weight_prediction_moves_stale_forwards_and_restores_exactly(case, results):
     """Every stage but the last runs its stale forwards (drift up to its bound) on predicted
-    weights; the emulator predicts the same forwards; after every forward each weight is again
-    the cast of its fp32 main copy, bit for bit."""
+    weights, as the emulator does; the weights really moved on every one of them that had
+    something to move by (an LR above the warm-up's 0 over its d steps, and moments or a
+    gradient to fold), and on none else; after every forward each weight is again the cast
+    of its fp32 main copy, bit for bit."""
     real, emulated = results(case, "runtime"), results(case, "emulator")
     cfg = next(iter(real.values()))["config"]
     for coord, row in real.items():
@@ -232,25 +234,56 @@ def test_weight_prediction_moves_stale_forwards_and_restores_exactly(case, resul
         bound = math.ceil((cfg["pp"] - 1 - stage) / cfg["a"])
         predicted = {int(k): v for k, v in row["predicted"].items()}
         assert row["predicted"] == emulated[coord]["predicted"]
+        assert len(row["moves"]) == sum(predicted.values())
         if stage == cfg["pp"] - 1:
             assert predicted == {}
         else:
             assert predicted and max(predicted) == bound, (coord, predicted)
+            assert [m["moved"] for m in row["moves"]] == [
+                m["lr_sum"] > 0 and (m["updates"] > 0 or m["backwards"] > 0) for m in row["moves"]]
+            folded = sum(m["moved"] and m["backwards"] > 0 for m in row["moves"])
+            assert folded > 0 or cfg["a"] == 1  # a = 1: every stale forward follows a step
         assert len(row["restores"]) >= cfg["calls"] * cfg["n"] and all(row["restores"])
+
+
+def first_moved_step(cfg, stage: int, steps) -> int:
+    """The first local step of ``stage`` whose group has a forward that ran on moved weights,
+    from the action lists and which steps updated (fp16 skips some). A stale forward (its
+    backward after a step) moves the weights when the LRs of its d steps are not all the
+    warm-up's 0 (an update was taken, or d > 1) and there is something to move by (the
+    moments of an update, or a gradient of this group)."""
+    plan = plan_stream("paci", cfg["pp"], cfg["a"], cfg["n"])
+    version = updates = backwards = 0
+    for k in range(cfg["calls"]):
+        for act in plan.call(k)[stage]:
+            if act.op is Op.STEP:
+                updates += steps[version]["ok"]
+                version += 1
+                backwards = 0
+            elif act.op is Op.BACKWARD:
+                backwards += 1
+            elif act.op is Op.FORWARD:
+                ahead = plan.steps_before_backward(k, stage, act.mb)
+                if ahead and (updates or (ahead > 1 and backwards)):
+                    return version + ahead
+    raise AssertionError("no forward on moved weights")
 
 
 @pytest.mark.parametrize("case", [c for c, twin in sorted(PREDICTED.items()) if twin])
 def test_weight_prediction_departs_from_plain_paci_at_stale_stages_only(case, results):
-    """The twin is the same run without prediction. No stage has optimizer state to predict
-    from before its first step, so every first step is the twin's; stage 0 departs from the
-    first group with a predicted forward on. The last stage never moves its weights: it
-    departs only through its inputs."""
+    """The twin is the same run without prediction. Stage 0 steps exactly as its twin up to
+    the step that takes the first gradient of a forward on moved weights, computed from the
+    lists (``first_moved_step``), and its weights differ from that step's first update on (an
+    fp16 step that skips keeps the weights it had). The last stage never moves its weights:
+    it departs only through its inputs."""
     predicted, plain = results(case, "runtime"), results(PREDICTED[case], "runtime")
     cfg = predicted["pp0tp0dp0"]["config"]
-    for coord, row in predicted.items():
-        assert row["steps"][0] == plain[coord]["steps"][0], coord
     first, twin = predicted["pp0tp0dp0"]["steps"], plain["pp0tp0dp0"]["steps"]
-    k = next(i for i, (p, t) in enumerate(zip(first, twin)) if p["weights"] != t["weights"])
-    assert all(p["weights"] != t["weights"] for p, t in zip(first[k:], twin[k:]))
+    k = first_moved_step(cfg, 0, first)
+    assert 0 < k < len(first) - 2
+    assert first[:k] == twin[:k]
+    updated = next(i for i in range(k, len(first)) if first[i]["ok"])
+    assert all(p["weights"] == t["weights"] for p, t in zip(first[k:updated], twin[k:updated]))
+    assert all(p["weights"] != t["weights"] for p, t in zip(first[updated:], twin[updated:]))
     last = f"pp{cfg['pp'] - 1}tp0dp0"
     assert predicted[last]["predicted"] == {} and predicted[last]["losses"] != plain[last]["losses"]

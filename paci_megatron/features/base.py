@@ -46,6 +46,8 @@ class StageContext:
     lr_sum: Callable[[dict, int], float] = lambda group, steps: steps * group["lr"]
     reduce_stage_sumsq: Optional[Callable[[Any], None]] = None
     gather_weights: Callable[[], None] = lambda: None
+    # --measure-memory: a meter with window_start()/window_stop() (memory.LiveTensorMeter)
+    memory_window: Any = None
 
     def group_mean_drift(self) -> float:
         """The mean drift of the group the next step applies, weighted as its gradients are."""

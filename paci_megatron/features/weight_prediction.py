@@ -145,6 +145,8 @@ class WeightPrediction(StageFeature):
         backwards = ctx.drift.group_backwards  # since the last step: the partial gradient's
         factor = None if ctx.per_token or not backwards \
             else grad_factor(ctx.accumulation, backwards)
+        if ctx.memory_window is not None:
+            ctx.memory_window.window_start()
         self.move_time.start()
         with _versions_kept(ctx.params):
             moved = predict_ahead(self.layout, steps, factor, ctx.lr_sum,
@@ -153,6 +155,8 @@ class WeightPrediction(StageFeature):
                 ctx.gather_weights()
         self.move_time.stop()
         if not moved:
+            if ctx.memory_window is not None:
+                ctx.memory_window.window_stop()
             return
         self.moved = ctx.weights_moved = True
         self.predicted[steps] += 1
@@ -167,6 +171,8 @@ class WeightPrediction(StageFeature):
             self.layout.stage_pass.restore()
             ctx.gather_weights()
         self.restore_time.stop()
+        if ctx.memory_window is not None:
+            ctx.memory_window.window_stop()
         self.moved = False
         ctx.weights_moved = True  # the next forward's weights differ from this one's
 

@@ -183,6 +183,7 @@ def run_runtime(case: str, out_dir: str) -> None:
     steps: List[Dict] = []
 
     restores: List[bool] = []
+    moves: List[Dict] = []  # per predicted forward: did the weights move, from what
 
     class Recorder(StageFeature):
         """Every step's record with the weights after it (a feature's after_step hook), and
@@ -192,6 +193,18 @@ def run_runtime(case: str, out_dir: str) -> None:
             steps.append(dict(mb=record.mb, ok=record.update_successful,
                               grad_norm=_hex(record.grad_norm), lr=_hex(record.lr),
                               weights=weights_sha256([parts.model])))
+
+        def before_forward(self, ctx, mb) -> None:  # after the prediction's own hook
+            ahead = ctx.planned_drift(mb)
+            if cfg["predict"] and ahead:
+                layout = features[-1].layout
+                pieces = layout.stage_pass.pieces
+                moves.append(dict(moved=any(not p.target.equal(p.main.to(p.target.dtype))
+                                            for p in pieces),
+                                  backwards=ctx.drift.group_backwards, steps=ctx.drift.version,
+                                  updates=layout.step_count(layout.stage_pass.klasses[0].inner),
+                                  lr_sum=ctx.lr_sum(layout.stage_pass.klasses[0].group, ahead),
+                                  ahead=ahead))
 
         def after_forward(self, ctx, mb) -> None:
             if cfg["predict"]:
@@ -227,7 +240,7 @@ def run_runtime(case: str, out_dir: str) -> None:
         histogram={str(k): v for k, v in sorted(rt.drift.histogram.items())},
         tied_histogram={str(k): v for k, v in sorted(rt.tied_histogram.items())},
         predicted={str(k): v for k, v in sorted(features[-1].predicted.items())}
-        if cfg["predict"] else {}, restores=restores))
+        if cfg["predict"] else {}, restores=restores, moves=moves))
 
 
 def run_emulator(case: str, out_dir: str) -> None:
