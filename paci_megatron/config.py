@@ -124,6 +124,7 @@ class PaciConfig:
     stale_grad_weight: float = 1.0
     stale_grad_correction: float = 0.0
     weight_prediction: bool = False  # --paci-weight-prediction, or its default
+    prediction_per_group: bool = False  # --paci-weight-prediction-schedule per-group
     prediction_off: str = ""  # why the default prediction is off for this run ("": it is not)
 
     @property
@@ -204,10 +205,16 @@ def _resolved(value, default):
 
 
 def _prediction(args) -> dict:
-    from .features.weight_prediction import prediction_setting
+    from .features.weight_prediction import PER_GROUP, SCHEDULE_FLAG, prediction_setting
 
     on, why = prediction_setting(args)
-    return dict(weight_prediction=on, prediction_off=why)
+    schedule = getattr(args, SCHEDULE_FLAG.dest, None)
+    if SCHEDULE_FLAG.is_set(args) and not on:
+        raise ConfigError(f"--paci-weight-prediction-schedule {schedule} needs the weight "
+                          f"prediction, which is off for this run"
+                          f"{': it ' + why if why else ''}; drop the schedule flag")
+    return dict(weight_prediction=on, prediction_off=why, prediction_per_group=on
+                and schedule == PER_GROUP)
 
 
 def _default_weight() -> float:

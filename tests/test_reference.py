@@ -24,14 +24,15 @@ PP_ONLY = ["p2_a4", "p2_a2", "p2_bf16", "p2_distopt", "p2_drain_eval",
            "p4_a4", "p4_a1", "p4_bf16", "p4_recompute", "p4_eval_nodrain", "p4_drain_eval",
            "p4_auto", "p2_tied", "p2_tied_bf16", "p4_tied", "p4_stale", "p4_tied_stale",
            "p4_correct", "p4_tied_correct", "p4_bf16_predict", "p4_tied_bf16",
-           "p4_tied_bf16_predict"]
+           "p4_tied_bf16_predict", "p4_bf16_predict_group"]
 # 2 emulator processes, 4 runtime ones
 PARALLEL = ["p2_dp2", "p2_dp2_distopt", "p2_tp2", "p2_dp2_tied", "p2_dp2_stale",
             "p2_dp2_distopt_correct", "p2_dp2_tied_bf16_predict", "p2_dp2_distopt_bf16",
-            "p2_dp2_distopt_bf16_predict", "p2_tp2_bf16_predict"]
+            "p2_dp2_distopt_bf16_predict", "p2_tp2_bf16_predict",
+            "p2_dp2_distopt_bf16_predict_group"]
 # a loss scaler per stage; per-token loss
 PRECISION = ["p2_fp16", "p2_per_token", "p2_per_token_stale", "p2_fp16_correct",
-             "p2_tied_per_token_stale", "p2_fp16_predict"]
+             "p2_tied_per_token_stale", "p2_fp16_predict", "p2_fp16_predict_group"]
 RUNTIME_P2 = [c for c in PP_ONLY if c.startswith("p2")] + PRECISION
 RUNTIME_P4 = [c for c in PP_ONLY if c.startswith("p4")] + PARALLEL
 
@@ -287,3 +288,35 @@ def test_weight_prediction_departs_from_plain_paci_at_stale_stages_only(case, re
     assert all(p["weights"] != t["weights"] for p, t in zip(first[updated:], twin[updated:]))
     last = f"pp{cfg['pp'] - 1}tp0dp0"
     assert predicted[last]["predicted"] == {} and predicted[last]["losses"] != plain[last]["losses"]
+
+
+GROUPED = {"p4_bf16_predict_group": "p4_bf16_predict", "p2_fp16_predict_group": "p2_fp16_predict",
+           "p2_dp2_distopt_bf16_predict_group": "p2_dp2_distopt_bf16_predict"}
+
+
+@pytest.mark.parametrize("case", sorted(GROUPED))
+def test_per_group_prediction_moves_once_a_group_until_the_step(case, results):
+    """--paci-weight-prediction-schedule per-group: one move at each group's first stale
+    forward (counted against the lists), the group's later forwards on those weights, and
+    after every step, taken or skipped (fp16), the weights are the main copies' cast again.
+    Its numbers are not the per-forward prediction's (the twin): other maths."""
+    real, per_forward = results(case, "runtime"), results(GROUPED[case], "runtime")
+    cfg = next(iter(real.values()))["config"]
+    plan = plan_stream("paci", cfg["pp"], cfg["a"], cfg["n"])
+    for coord, row in real.items():
+        stage = int(coord[2:coord.index("tp")])
+        groups, stale = 0, False
+        for k in range(cfg["calls"]):
+            for act in plan.call(k)[stage]:
+                if act.op is Op.FORWARD and plan.steps_before_backward(k, stage, act.mb):
+                    groups += not stale
+                    stale = True
+                elif act.op is Op.STEP:
+                    stale = False
+        assert sum(row["predicted"].values()) == groups
+        moves = row["moves"]
+        assert len(moves) >= groups
+        assert all(m["moved"] for m in moves if m["updates"] > 0)
+        assert len(row["true_after_step"]) == len(row["steps"]) and all(row["true_after_step"])
+        if stage < cfg["pp"] - 1:
+            assert row["steps"] != per_forward[coord]["steps"]

@@ -501,3 +501,37 @@ def test_the_report_projects_what_prediction_leaves_of_pacis_gain(predict_ms, wi
 
 def test_the_report_says_nothing_of_prediction_when_none_ran():
     assert wp.cost_lines([_row(0, 2, 16), _row(1, 2, 16)]) == []
+
+
+def test_the_per_group_schedule_moves_once_and_puts_back_only_a_skipped_step(monkeypatch):
+    """per-group: the group's first stale forward moves the weights, later forwards find them
+    moved and nothing is restored after a forward; a step that updates has written them from
+    the main copies, one that skips gets them put back."""
+    feature = wp.WeightPrediction(per_group=True)
+    ctx, restored = _feature_ctx(feature, {0: 1, 1: 1, 2: 0}, backwards=1)
+    moves = []
+    monkeypatch.setattr(wp, "predict_ahead", lambda *a: moves.append(a[1]) or True)
+    for mb in (0, 1, 2):
+        feature.before_forward(ctx, mb)
+        feature.after_forward(ctx, mb)
+    assert moves == [1] and restored == [] and feature.predicted == {1: 1}
+    feature.after_step(ctx, SimpleNamespace(update_successful=True))
+    assert restored == []
+    feature.before_forward(ctx, 1)
+    feature.after_step(ctx, SimpleNamespace(update_successful=False))
+    assert moves == [1, 1] and restored == [1]
+    assert "moved once per group" in feature.describe()
+
+
+def test_the_schedule_flag_needs_the_prediction_and_reaches_the_config(capsys):
+    assert _resolved("--bf16", "--paci-weight-prediction-schedule", "per-group").prediction_per_group
+    assert not _resolved("--bf16").prediction_per_group
+    from paci_megatron.arguments import parse_and_validate
+
+    with pytest.raises(SystemExit):
+        parse_and_validate(["--pipeline-model-parallel-size", "2", "--bf16",
+                            "--untie-embeddings-and-output-weights",
+                            "--no-paci-weight-prediction", "--paci-weight-prediction-schedule",
+                            "per-group"], world_size=2)
+    assert "--paci-weight-prediction-schedule per-group needs the weight prediction" in \
+        capsys.readouterr().err

@@ -48,6 +48,15 @@ PREDICTION_FLAG = Flag(
          "the run allows it; --no-paci-weight-prediction runs the paper's plain PACI, every "
          "forward on the current weights")
 
+PER_FORWARD, PER_GROUP = "per-forward", "per-group"
+SCHEDULE_FLAG = Flag(
+    "--paci-weight-prediction-schedule", choices=(PER_FORWARD, PER_GROUP), neutral=PER_FORWARD,
+    help="when the prediction moves the weights: per-forward (default) before every stale "
+         "forward, put back after it; per-group once, at the first stale forward after each "
+         "local step, left there until the step writes them again from the main copy (one "
+         "pass a step instead of two a stale forward; the group's other forwards and its "
+         "backwards then run on the predicted weights too)")
+
 
 def unsupported(args) -> str:
     """Why this run's flags rule the prediction out, with the fix ("" when they do not)."""
@@ -96,10 +105,12 @@ class WeightPrediction(StageFeature):
     """Moves the stage's weights to their predicted values around each stale forward."""
 
     name = "weight_prediction"
-    FLAGS = (PREDICTION_FLAG,)
+    FLAGS = (PREDICTION_FLAG, SCHEDULE_FLAG)
 
-    def __init__(self):
-        self.moved = False
+    def __init__(self, per_group: bool = False):
+        self.per_group = per_group  # --paci-weight-prediction-schedule per-group
+        self.moved = False  # the weights are predicted now
+        self.timing = False  # the forward after a move is being timed
         self.layout = None  # the stage's flat prediction state (mcore/main_params.py)
         self.predicted = Counter()  # steps ahead -> forwards run on predicted weights
         # what it costs, beside a forward: the end-of-run report (``cost_lines``)
@@ -114,15 +125,19 @@ class WeightPrediction(StageFeature):
 
     @classmethod
     def from_config(cls, cfg) -> Optional["WeightPrediction"]:
-        return cls() if cfg.weight_prediction else None
+        return cls(cfg.prediction_per_group) if cfg.weight_prediction else None
 
     def describe(self) -> str:
+        if self.per_group:
+            return "stale forwards on predicted weights, moved once per group"
         return "stale forwards on predicted weights"
 
     def summary(self) -> dict:
         row = {"predicted_forwards": dict(sorted(self.predicted.items()))}
         move, restore = self.move_time.mean_ms(), self.restore_time.mean_ms()
         forward = self.forward_time.mean_ms()
+        if self.per_group:  # a move a group, no restore (the step writes the weights)
+            restore = 0.0
         if move is not None and restore is not None and forward is not None:
             row.update(predict_ms=round(move + restore, 3), forward_ms=round(forward, 3))
         if self.layout is not None:
@@ -140,7 +155,7 @@ class WeightPrediction(StageFeature):
 
     def before_forward(self, ctx: StageContext, mb: int) -> None:
         steps = ctx.planned_drift(mb)
-        if not steps:
+        if not steps or (self.per_group and self.moved):
             return
         backwards = ctx.drift.group_backwards  # since the last step: the partial gradient's
         factor = None if ctx.per_token or not backwards \
@@ -154,30 +169,45 @@ class WeightPrediction(StageFeature):
             if moved:
                 ctx.gather_weights()
         self.move_time.stop()
+        if ctx.memory_window is not None and (self.per_group or not moved):
+            ctx.memory_window.window_stop()
         if not moved:
-            if ctx.memory_window is not None:
-                ctx.memory_window.window_stop()
             return
-        self.moved = ctx.weights_moved = True
+        self.moved = self.timing = ctx.weights_moved = True
         self.predicted[steps] += 1
         self.forward_time.start()
 
     def after_forward(self, ctx: StageContext, mb: int) -> None:
-        if not self.moved:
-            return
-        self.forward_time.stop()
-        self.restore_time.start()
+        if self.timing:
+            self.forward_time.stop()
+            self.timing = False
+        if self.moved and not self.per_group:
+            self._restore(ctx, timed=True)
+            if ctx.memory_window is not None:
+                ctx.memory_window.window_stop()
+            ctx.weights_moved = True  # the next forward's weights differ from this one's
+
+    def after_step(self, ctx: StageContext, record) -> None:
+        """A successful step wrote the weights from the main copies (Megatron's own cast);
+        a skipped one left them predicted (per-group): put back."""
+        self.layout.on_step(record.update_successful)
+        if self.moved and not record.update_successful:
+            self._restore(ctx, timed=False)
+        self.moved = False
+
+    def on_drain(self, ctx: StageContext) -> None:
+        if self.moved:  # a drain comes after a step: never, but the weights must be true
+            self._restore(ctx, timed=False)
+
+    def _restore(self, ctx: StageContext, timed: bool) -> None:
+        if timed:
+            self.restore_time.start()
         with _versions_kept(ctx.params):
             self.layout.stage_pass.restore()
             ctx.gather_weights()
-        self.restore_time.stop()
-        if ctx.memory_window is not None:
-            ctx.memory_window.window_stop()
+        if timed:
+            self.restore_time.stop()
         self.moved = False
-        ctx.weights_moved = True  # the next forward's weights differ from this one's
-
-    def after_step(self, ctx: StageContext, record) -> None:
-        self.layout.on_step(record.update_successful)
 
 
 def cost_lines(rows: List[dict], prefix: str = "> stage") -> List[str]:

@@ -146,6 +146,7 @@ class _Stage:
     step_drifts: List[int] = field(default_factory=list)  # the same, for the correction
     predicted: Dict[int, int] = field(default_factory=dict)  # steps ahead -> forwards
     layout: Any = None  # --paci-weight-prediction: the stage's flat state (main_params)
+    group_moved: bool = False  # per-group: the weights are predicted until the step
 
 
 class TiedState:
@@ -189,11 +190,12 @@ class PipelineEmulator:
                  kind: str = "paci", lr_increment: Optional[int] = None,
                  forward_step_func: Callable = build.gpt_forward_step,
                  stale_grad_weight: float = 1.0, stale_grad_correction: float = 0.0,
-                 weight_prediction: bool = False):
+                 weight_prediction: bool = False, prediction_per_group: bool = False):
         self.num_stages, self.accumulation, self.kind = num_stages, accumulation, kind
         self.stale_grad_weight = stale_grad_weight  # --paci-stale-grad-weight W
         self.stale_grad_correction = stale_grad_correction  # --paci-stale-grad-correction K
         self.weight_prediction = weight_prediction  # --paci-weight-prediction
+        self.per_group = prediction_per_group  # --paci-weight-prediction-schedule per-group
         self.micro_batch_size, self.seq_length = micro_batch_size, seq_length
         self.forward_step_func = forward_step_func
         dp = parallel_state.get_data_parallel_world_size()
@@ -234,15 +236,18 @@ class PipelineEmulator:
         data = iter([stage.batches[self.consumed + mb]]) if reads else None
         store: list = []
         ahead = self._steps_ahead(stage, mb)
-        if ahead:
+        if ahead and not stage.group_moved:
             ahead = ahead if self._predict(stage, ahead) else 0
+            stage.group_moved = self.per_group and bool(ahead)
+        else:
+            ahead = 0  # per-group: the weights stay where the group's first move put them
         output, tokens = mcore_schedules.forward_step(
             self.forward_step_func, data, model, self.accumulation, stage.inputs.get(mb),
             store, get_model_config(model), cp_group_size=1,
             is_first_microbatch=stage.fresh_weights or bool(ahead), current_microbatch=mb,
             is_last_stage=is_last)
-        stage.fresh_weights = bool(ahead)
-        if ahead:
+        stage.fresh_weights = bool(ahead) and not self.per_group
+        if ahead and not self.per_group:
             with keep_version_counters(list(model.parameters())):
                 stage.layout.stage_pass.restore()
                 gather_weights(stage.parts.optimizer)
@@ -402,6 +407,11 @@ class PipelineEmulator:
             ok, grad_norm = self._optimizer_step(stage)
         if stage.layout is not None:
             stage.layout.on_step(bool(ok))
+        if stage.group_moved and not ok:  # a skipped step does not write the weights
+            with keep_version_counters(list(model.parameters())):
+                stage.layout.stage_pass.restore()
+                gather_weights(optimizer)
+        stage.group_moved = False
         if tied is not None:
             if undo is not None:
                 install(tied.last, tied.last_main, undo)

@@ -39,7 +39,8 @@ SEED = 1234
 BASE = dict(tp=1, dp=1, a=4, n=4, calls=5, dropout=0.0, bf16=False, recompute=False,
             dist_opt=False, clip=0.3, layers=4, drain_after=None, eval_after=None,
             audit=False, factors=None, tied=False,
-            fp16=False, per_token=False, stale_weight=1.0, correction=0.0, predict=False)
+            fp16=False, per_token=False, stale_weight=1.0, correction=0.0, predict=False,
+            predict_group=False)
 CASES: Dict[str, Dict] = {
     "p2_a4": dict(pp=2, dropout=0.1),
     "p2_a2": dict(pp=2, a=2, n=8, calls=4),
@@ -106,6 +107,13 @@ CASES: Dict[str, Dict] = {
                                      dropout=0.1, predict=True),
     "p2_fp16_predict": dict(pp=2, a=2, calls=6, fp16=True, predict=True),
     "p2_tp2_bf16_predict": dict(pp=2, tp=2, a=2, bf16=True, dropout=0.1, predict=True),
+    # --paci-weight-prediction-schedule per-group: one move at each group's first stale
+    # forward, left until the step (fp16: a skipped step puts the weights back itself)
+    "p4_bf16_predict_group": dict(pp=4, a=2, bf16=True, predict=True, predict_group=True),
+    "p2_fp16_predict_group": dict(pp=2, a=2, calls=6, fp16=True, predict=True,
+                                  predict_group=True),
+    "p2_dp2_distopt_bf16_predict_group": dict(pp=2, dp=2, a=2, dist_opt=True, bf16=True,
+                                              dropout=0.1, predict=True, predict_group=True),
     # the distributed optimizer: each rank predicts its shard, an all-gather completes it
     "p2_dp2_distopt_bf16": dict(pp=2, dp=2, a=2, dist_opt=True, bf16=True, dropout=0.1),
     "p2_dp2_distopt_bf16_predict": dict(pp=2, dp=2, a=2, dist_opt=True, bf16=True, dropout=0.1,
@@ -176,7 +184,7 @@ def run_runtime(case: str, out_dir: str) -> None:
                         tolerance=0.0, policy="cycle") if cfg["factors"] else None
     features = ([StaleGradWeights(cfg["stale_weight"])] if cfg["stale_weight"] != 1.0 else []) \
         + ([StaleGradCorrection(cfg["correction"])] if cfg["correction"] else []) \
-        + ([WeightPrediction()] if cfg["predict"] else [])
+        + ([WeightPrediction(cfg["predict_group"])] if cfg["predict"] else [])
     rt = PaciRuntime(kind="paci", accumulation=cfg["a"], features=features,
                      policy=AdaptivePlan(cfg["pp"], adaptive) if adaptive else None)
     rt.bind(parts.optimizer, parts.lr_scheduler, lr_increment=cfg["a"] * MBS * info["dp_size"])
@@ -184,6 +192,7 @@ def run_runtime(case: str, out_dir: str) -> None:
 
     restores: List[bool] = []
     moves: List[Dict] = []  # per predicted forward: did the weights move, from what
+    true_after_step: List[bool] = []  # the weights are the main copies' cast after each step
 
     class Recorder(StageFeature):
         """Every step's record with the weights after it (a feature's after_step hook), and
@@ -193,6 +202,10 @@ def run_runtime(case: str, out_dir: str) -> None:
             steps.append(dict(mb=record.mb, ok=record.update_successful,
                               grad_norm=_hex(record.grad_norm), lr=_hex(record.lr),
                               weights=weights_sha256([parts.model])))
+            if cfg["predict"]:  # after the prediction's own hook: the weights are true again
+                pieces = features[-1].layout.stage_pass.pieces
+                true_after_step.append(all(p.target.equal(p.main.to(p.target.dtype))
+                                           for p in pieces))
 
         def before_forward(self, ctx, mb) -> None:  # after the prediction's own hook
             ahead = ctx.planned_drift(mb)
@@ -207,7 +220,7 @@ def run_runtime(case: str, out_dir: str) -> None:
                                   ahead=ahead))
 
         def after_forward(self, ctx, mb) -> None:
-            if cfg["predict"]:
+            if cfg["predict"] and not cfg["predict_group"]:
                 pieces = features[-1].layout.stage_pass.pieces
                 restores.append(all(p.target.equal(p.main.to(p.target.dtype)) for p in pieces))
 
@@ -240,7 +253,8 @@ def run_runtime(case: str, out_dir: str) -> None:
         histogram={str(k): v for k, v in sorted(rt.drift.histogram.items())},
         tied_histogram={str(k): v for k, v in sorted(rt.tied_histogram.items())},
         predicted={str(k): v for k, v in sorted(features[-1].predicted.items())}
-        if cfg["predict"] else {}, restores=restores, moves=moves))
+        if cfg["predict"] else {}, restores=restores, moves=moves,
+        true_after_step=true_after_step))
 
 
 def run_emulator(case: str, out_dir: str) -> None:
@@ -250,7 +264,8 @@ def run_emulator(case: str, out_dir: str) -> None:
                            seq_length=16, build_stage=lambda s: build_parts(cfg), seed=SEED,
                            stale_grad_weight=cfg["stale_weight"],
                            stale_grad_correction=cfg["correction"],
-                           weight_prediction=cfg["predict"])
+                           weight_prediction=cfg["predict"],
+                           prediction_per_group=cfg["predict_group"])
     audits = {s: audit_backward(emu, s) for s in range(cfg["pp"])} if cfg["audit"] else {}
     losses: List[str] = []
     for call in range(cfg["calls"]):
