@@ -125,6 +125,7 @@ class PaciConfig:
     stale_grad_correction: float = 0.0
     weight_prediction: bool = False  # --paci-weight-prediction, or its default
     prediction_per_group: bool = False  # --paci-weight-prediction-schedule per-group
+    prediction_overlap: bool = False  # --paci-weight-prediction-overlap
     prediction_off: str = ""  # why the default prediction is off for this run ("": it is not)
 
     @property
@@ -205,16 +206,23 @@ def _resolved(value, default):
 
 
 def _prediction(args) -> dict:
-    from .features.weight_prediction import PER_GROUP, SCHEDULE_FLAG, prediction_setting
+    from .features.weight_prediction import (OVERLAP_FLAG, PER_GROUP, SCHEDULE_FLAG,
+                                             prediction_setting)
 
     on, why = prediction_setting(args)
     schedule = getattr(args, SCHEDULE_FLAG.dest, None)
-    if SCHEDULE_FLAG.is_set(args) and not on:
-        raise ConfigError(f"--paci-weight-prediction-schedule {schedule} needs the weight "
-                          f"prediction, which is off for this run"
-                          f"{': it ' + why if why else ''}; drop the schedule flag")
+    for flag, value in ((SCHEDULE_FLAG, schedule), (OVERLAP_FLAG, None)):
+        if flag.is_set(args) and not on:
+            raise ConfigError(f"{flag.name}{' ' + value if value else ''} needs the weight "
+                              f"prediction, which is off for this run"
+                              f"{': it ' + why if why else ''}; drop {flag.name}")
+    overlap = bool(getattr(args, OVERLAP_FLAG.dest, False))
+    if overlap and schedule == PER_GROUP:
+        raise ConfigError("--paci-weight-prediction-overlap moves and restores around each "
+                          "forward; --paci-weight-prediction-schedule per-group moves once a "
+                          "group and never restores: drop one of them")
     return dict(weight_prediction=on, prediction_off=why, prediction_per_group=on
-                and schedule == PER_GROUP)
+                and schedule == PER_GROUP, prediction_overlap=on and overlap)
 
 
 def _default_weight() -> float:

@@ -24,7 +24,7 @@ PP_ONLY = ["p2_a4", "p2_a2", "p2_bf16", "p2_distopt", "p2_drain_eval",
            "p4_a4", "p4_a1", "p4_bf16", "p4_recompute", "p4_eval_nodrain", "p4_drain_eval",
            "p4_auto", "p2_tied", "p2_tied_bf16", "p4_tied", "p4_stale", "p4_tied_stale",
            "p4_correct", "p4_tied_correct", "p4_bf16_predict", "p4_tied_bf16",
-           "p4_tied_bf16_predict", "p4_bf16_predict_group"]
+           "p4_tied_bf16_predict", "p4_bf16_predict_group", "p4_bf16_predict_overlap"]
 # 2 emulator processes, 4 runtime ones
 PARALLEL = ["p2_dp2", "p2_dp2_distopt", "p2_tp2", "p2_dp2_tied", "p2_dp2_stale",
             "p2_dp2_distopt_correct", "p2_dp2_tied_bf16_predict", "p2_dp2_distopt_bf16",
@@ -217,6 +217,7 @@ def test_stale_gradient_correction_changes_only_steps_with_drift(case, twin, res
 
 
 PREDICTED = {"p4_bf16_predict": "p4_bf16", "p4_tied_bf16_predict": "p4_tied_bf16",
+             "p4_bf16_predict_overlap": "p4_bf16",
              "p2_dp2_tied_bf16_predict": None, "p2_fp16_predict": "p2_fp16",
              "p2_dp2_distopt_bf16_predict": "p2_dp2_distopt_bf16", "p2_tp2_bf16_predict": None}
 

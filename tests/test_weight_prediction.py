@@ -85,7 +85,7 @@ def _pass(opt, params, offsets, flat, kind, clip=0.0, decoupled=True, pieces=1):
     for lo, hi in zip(bounds, bounds[1:]):
         inside = [(max(a, lo) - lo, min(b, hi) - lo, k) for a, b, k in runs if a < hi and b > lo]
         cut += _cut(inside, target[lo:hi], flat["main"][lo:hi], tuple(s[lo:hi] for s in state),
-                    flat["grad"][lo:hi])
+                    flat["grad"][lo:hi]).pieces
     return pp.Pass(kind, cut, klasses), target
 
 
@@ -419,7 +419,7 @@ def test_the_feature_folds_the_groups_mean_gradient_so_far_unscaled(
     feature = wp.WeightPrediction()
     ctx, restored = _feature_ctx(feature, {5: 2}, backwards, scale, per_token)
     seen = []
-    monkeypatch.setattr(wp, "predict_ahead", lambda layout, steps, f, lr_sum, loss_scale, r:
+    monkeypatch.setattr(wp, "predict_ahead", lambda layout, steps, f, lr_sum, loss_scale, r, m:
                         seen.append((steps, f, loss_scale)) or True)
     feature.before_forward(ctx, 5)
     feature.after_forward(ctx, 5)

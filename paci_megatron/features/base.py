@@ -43,6 +43,7 @@ class StageContext:
     # all-gather that completes the weights after a move
     check_prediction: Callable[[], None] = lambda: None
     prediction_layout: Callable[[], Any] = lambda: None
+    prediction_mover: Callable[[], Any] = lambda: None  # layer by layer (or None: whole)
     lr_sum: Callable[[dict, int], float] = lambda group, steps: steps * group["lr"]
     reduce_stage_sumsq: Optional[Callable[[Any], None]] = None
     gather_weights: Callable[[], None] = lambda: None

@@ -346,8 +346,9 @@ def _try_fused(device_type: str) -> str:
             target = torch.zeros(8, dtype=torch.bfloat16, device=device)
             piece = Piece(target, main, state, main * 0.5, 0,
                           (Minor(torch.tensor([1, 5], device=device), 0),))
-            Pass("adam", [piece], [klass], kernel=kernel.name)._move(
-                kernel, scalars_to_device(rows, device), None, True, None)
+            trial = Pass("adam", [piece], [klass], kernel=kernel.name)
+            trial.move_pieces(trial.pieces, trial.coefficients(
+                scalars_to_device(rows, device), None, True), True)
             out[kernel.name] = target.float()
         torch.testing.assert_close(out["fused"], out["plain"], rtol=8e-3, atol=1e-6)
     except Exception as exc:  # a missing compiler, an unsupported backend
@@ -383,28 +384,35 @@ class Pass:
         ``reduce_sumsq`` summing its squared norm over the stage's grad-stats group (where
         Megatron reduces its clipping norm) in place."""
         try:
-            self._move(self._runner(), host, inv_scale, fold, reduce_sumsq)
+            coef = self.coefficients(host, inv_scale, fold, reduce_sumsq)
+            self.move_pieces(self.pieces, coef, fold)
         except Exception as exc:
             if self.kernel != "fused":
                 raise
             warnings.warn(f"paci: weight prediction falls back to its plain pass "
                           f"(torch.compile failed: {type(exc).__name__}: {exc})")
             self.kernel = "plain"  # every piece again, eagerly
-            self._move(_EAGER, host, inv_scale, fold, reduce_sumsq)
+            self.move(host, inv_scale, fold, reduce_sumsq)
 
-    def _move(self, run, host, inv_scale, fold, reduce_sumsq) -> None:
-        fold = fold and any(k.fold for k in self.klasses)
+    def coefficients(self, host: torch.Tensor, inv_scale, fold: bool,
+                     reduce_sumsq: Optional[Callable[[torch.Tensor], None]] = None):
+        """The classes' coefficients on the device (the clipping norm and the finite flag
+        need the whole stage's gradient: once, before any piece moves)."""
+        run = self._runner()
+        if not (fold and any(k.fold for k in self.klasses)):
+            return run.coefficients(host, inv_scale, None)
         grads = [p.grad for p in self.pieces]
-        if not fold:
-            coef = run.coefficients(host, inv_scale, None)
-        elif reduce_sumsq is None:
-            coef = run.scalars(host, inv_scale, grads, self.excluded)
-        else:
-            sumsq = run.sumsq(grads, self.excluded)
-            reduce_sumsq(sumsq)
-            coef = run.coefficients(host, inv_scale, sumsq)
+        if reduce_sumsq is None:
+            return run.scalars(host, inv_scale, grads, self.excluded)
+        sumsq = run.sumsq(grads, self.excluded)
+        reduce_sumsq(sumsq)
+        return run.coefficients(host, inv_scale, sumsq)
+
+    def move_pieces(self, pieces: Sequence[Piece], coef: torch.Tensor, fold: bool) -> None:
+        """Move ``pieces`` (the stage's, or a layer's slices of them: ``layer_pieces``)."""
+        run = self._runner()
         folds = [fold and k.fold for k in self.klasses]
-        for piece in self.pieces:
+        for piece in pieces:
             run.piece(self.kind, piece.target, piece.main, piece.state,
                       piece.grad if folds[piece.klass] else None, coef[piece.klass])
             for minor in piece.minors:
@@ -412,9 +420,22 @@ class Pass:
                           piece.grad if folds[minor.klass] else None, minor.index,
                           coef[minor.klass])
 
-    def restore(self) -> None:
+    def sliced(self, piece_index: int, lo: int, hi: int) -> Piece:
+        """Elements [lo, hi) of one piece as a piece of its own (its minors re-indexed)."""
+        piece = self.pieces[piece_index]
+        minors = []
+        for minor in piece.minors:
+            inside = minor.index[(minor.index >= lo) & (minor.index < hi)] - lo
+            if inside.numel():
+                minors.append(Minor(inside, minor.klass))
+        return Piece(piece.target[lo:hi], piece.main[lo:hi], tuple(s[lo:hi] for s in piece.state),
+                     piece.grad[lo:hi], piece.klass, tuple(minors))
+
+    def restore(self, pieces: Optional[Sequence[Piece]] = None) -> None:
         """The model weights as Megatron makes them from the main copies, bit for bit."""
-        torch._foreach_copy_([p.target for p in self.pieces], [p.main for p in self.pieces])
+        pieces = self.pieces if pieces is None else pieces
+        if pieces:
+            torch._foreach_copy_([p.target for p in pieces], [p.main for p in pieces])
 
 
 def predict(stage_pass: Pass, rows: Sequence[Sequence[Sequence[float]]], inv_scale=None,

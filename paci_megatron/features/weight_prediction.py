@@ -32,7 +32,7 @@ from typing import Callable, List, Optional, Tuple
 
 from ..flag import ConfigError, Flag
 from .base import StageContext, StageFeature
-from .prediction_pass import host_coefficients, predict
+from .prediction_pass import host_coefficients, predict, scalars_to_device
 from .timer import SpanTimer
 
 # On by default under --pipeline-schedule paci wherever the run's flags allow it (the paper-
@@ -56,6 +56,13 @@ SCHEDULE_FLAG = Flag(
          "local step, left there until the step writes them again from the main copy (one "
          "pass a step instead of two a stale forward; the group's other forwards and its "
          "backwards then run on the predicted weights too)")
+OVERLAP_FLAG = Flag(
+    "--paci-weight-prediction-overlap", switch=True, neutral=False,
+    help="move the weights layer by layer as the predicted forward goes, each layer's move "
+         "on a side stream while the previous layer computes, and put each back after it: "
+         "only the first move and the last restore stay exposed (a GPU gains; a CPU runs the "
+         "same moves one after another). Per-forward schedule; not with "
+         "--use-distributed-optimizer (whole-stage moves there, and the start-up line says so)")
 
 
 def unsupported(args) -> str:
@@ -105,10 +112,12 @@ class WeightPrediction(StageFeature):
     """Moves the stage's weights to their predicted values around each stale forward."""
 
     name = "weight_prediction"
-    FLAGS = (PREDICTION_FLAG, SCHEDULE_FLAG)
+    FLAGS = (PREDICTION_FLAG, SCHEDULE_FLAG, OVERLAP_FLAG)
 
-    def __init__(self, per_group: bool = False):
+    def __init__(self, per_group: bool = False, overlap: bool = False):
         self.per_group = per_group  # --paci-weight-prediction-schedule per-group
+        self.overlap = overlap  # --paci-weight-prediction-overlap
+        self.mover = None  # the layer-by-layer move, where the stage allows it
         self.moved = False  # the weights are predicted now
         self.timing = False  # the forward after a move is being timed
         self.layout = None  # the stage's flat prediction state (mcore/main_params.py)
@@ -125,11 +134,14 @@ class WeightPrediction(StageFeature):
 
     @classmethod
     def from_config(cls, cfg) -> Optional["WeightPrediction"]:
-        return cls(cfg.prediction_per_group) if cfg.weight_prediction else None
+        return cls(cfg.prediction_per_group, cfg.prediction_overlap) \
+            if cfg.weight_prediction else None
 
     def describe(self) -> str:
         if self.per_group:
             return "stale forwards on predicted weights, moved once per group"
+        if self.overlap:
+            return "stale forwards on predicted weights, moved layer by layer"
         return "stale forwards on predicted weights"
 
     def summary(self) -> dict:
@@ -149,6 +161,8 @@ class WeightPrediction(StageFeature):
 
     def on_start(self, ctx: StageContext) -> None:
         self.layout = ctx.prediction_layout()
+        if self.overlap and self.mover is None:
+            self.mover = ctx.prediction_mover()
         cuda = self.layout.stage_pass.device.type == "cuda"
         for timer in (self.move_time, self.restore_time, self.forward_time):
             timer.cuda = cuda
@@ -165,7 +179,8 @@ class WeightPrediction(StageFeature):
         self.move_time.start()
         with _versions_kept(ctx.params):
             moved = predict_ahead(self.layout, steps, factor, ctx.lr_sum,
-                                  ctx.loss_scale_tensor(), ctx.reduce_stage_sumsq)
+                                  ctx.loss_scale_tensor(), ctx.reduce_stage_sumsq,
+                                  None if self.per_group else self.mover)
             if moved:
                 ctx.gather_weights()
         self.move_time.stop()
@@ -203,7 +218,10 @@ class WeightPrediction(StageFeature):
         if timed:
             self.restore_time.start()
         with _versions_kept(ctx.params):
-            self.layout.stage_pass.restore()
+            if self.mover is not None and not self.per_group:
+                self.mover.finish()  # the layers are back already; the rest now
+            else:
+                self.layout.stage_pass.restore()
             ctx.gather_weights()
         if timed:
             self.restore_time.stop()
@@ -263,13 +281,14 @@ def grad_factor(accumulation: int, backwards: int) -> float:
 
 
 def predict_ahead(layout, steps: int, factor: Optional[float], lr_sum: Callable[[dict, int], float],
-                  loss_scale=None, reduce_sumsq=None) -> bool:
+                  loss_scale=None, reduce_sumsq=None, mover=None) -> bool:
     """Write the stage's prediction ``steps`` local steps ahead into its model weights (the
     runtime's feature and the emulator both call this). ``factor``: ``grad_factor`` of the
     group so far, None to fold nothing; ``lr_sum(group, n)``: the sum of the LRs of the next
-    n steps; ``loss_scale``: the gradient buffers' scale on the device (None: 1). False when
-    there is nothing to predict from (SGD without momentum and without a gradient): nothing
-    moved."""
+    n steps; ``loss_scale``: the gradient buffers' scale on the device (None: 1); ``mover``:
+    a layer-by-layer move (``mcore/prediction_overlap.py``) that takes the coefficients and
+    moves as the forward goes, else the whole stage moves now. False when there is nothing to
+    predict from (SGD without momentum and without a gradient): nothing moved."""
     stage_pass = layout.stage_pass
     if stage_pass.kind == "sgd" and factor is None:
         return False
@@ -277,5 +296,10 @@ def predict_ahead(layout, steps: int, factor: Optional[float], lr_sum: Callable[
                               layout.step_count(k.inner), factor or 0.0)
             for k in stage_pass.klasses]
     inv_scale = None if loss_scale is None else loss_scale.reciprocal()
-    predict(stage_pass, rows, inv_scale, factor is not None, reduce_sumsq)
+    fold = factor is not None
+    if mover is None:
+        predict(stage_pass, rows, inv_scale, fold, reduce_sumsq)
+    else:
+        host = scalars_to_device(rows, stage_pass.device)
+        mover.start(stage_pass.coefficients(host, inv_scale, fold, reduce_sumsq), fold)
     return True

@@ -146,6 +146,10 @@ class StageLayout:
         self.tp_group = tp_group
         self._homes: List[Tuple[Callable[[], torch.Tensor], Callable[[torch.Tensor], None],
                                 torch.Tensor]] = []
+        # id(model weight) -> [(piece, lo, hi)]: its elements (this rank's, with the
+        # distributed optimizer) in the pieces
+        self.where: Dict[int, List[Tuple[int, int, int]]] = {}
+        self.sharded = False
         self.stage_pass = self._build()
         self._steps = self._read_steps()
 
@@ -177,7 +181,13 @@ class StageLayout:
                     excluded.append(flat[3][m.start:m.end])
             runs = [(m.start, m.end, klasses[(id(m.opt), id(m.group), m.fold)])
                     for m in region.mains]
-            pieces += _cut(runs, *flat)
+            cut = _cut(runs, *flat)
+            for m in region.mains:  # where each weight's elements sit, piece by piece
+                for index, (lo, hi) in enumerate(cut.bounds, start=len(pieces)):
+                    if m.start < hi and m.end > lo:
+                        self.where.setdefault(id(m.model), []).append(
+                            (index, max(m.start, lo) - lo, min(m.end, hi) - lo))
+            pieces += cut.pieces
         stage_pass = Pass(self.kind, pieces, klass_list, excluded,
                           kernel_choice(pieces[0].main.device.type) if pieces else "plain")
         return stage_pass
@@ -200,6 +210,7 @@ class StageLayout:
                 regions.append(self._whole_region(buf, mains))
             else:
                 regions += self._shard_regions(buf, mains)
+                self.sharded = True
         if not regions:
             raise ConfigError("--paci-weight-prediction found no bf16/fp16 gradient buffer in "
                               "the stage's model (Megatron's DDP)")
@@ -295,6 +306,18 @@ class StageLayout:
         self._steps = self._read_steps()
         return moved
 
+    def pieces_of(self, params) -> List[Piece]:
+        """The elements of ``params`` (one layer's, say) as slices of the pieces, contiguous
+        runs merged: what a layer-by-layer move moves."""
+        spans = sorted(span for p in params for span in self.where.get(id(p), ()))
+        merged: List[List[int]] = []
+        for index, lo, hi in spans:
+            if merged and merged[-1][0] == index and merged[-1][2] == lo:
+                merged[-1][2] = hi
+            else:
+                merged.append([index, lo, hi])
+        return [self.stage_pass.sliced(index, lo, hi) for index, lo, hi in merged]
+
     # what a prediction reads -----------------------------------------------------------------
     def _read_steps(self) -> Dict[int, int]:
         """Each optimizer's steps so far (the next step's bias correction), read once here
@@ -346,7 +369,13 @@ def _state_of(inner, main, kind: str) -> dict:
     return state
 
 
-def _cut(runs: Sequence[Tuple[int, int, int]], target, main, state, grad) -> List[Piece]:
+@dataclass
+class _Cut:
+    pieces: List[Piece]
+    bounds: List[Tuple[int, int]]  # each piece's elements in the region
+
+
+def _cut(runs: Sequence[Tuple[int, int, int]], target, main, state, grad) -> _Cut:
     """The region as pieces: its most common class covers it, runs of another class at least
     BIG_RUN long are pieces of their own, shorter ones are listed by index."""
     numel = main.numel()
@@ -374,7 +403,7 @@ def _cut(runs: Sequence[Tuple[int, int, int]], target, main, state, grad) -> Lis
         pieces.append(Piece(target[lo:hi], main[lo:hi], tuple(s[lo:hi] for s in state),
                             grad[lo:hi], klass,
                             tuple(Minor(torch.cat(ix), k) for k, ix in sorted(minors.items()))))
-    return pieces
+    return _Cut(pieces, [(lo, hi) for lo, hi, _klass in bounds])
 
 
 def lr_sum(scheduler, increment: Optional[int], group: dict, steps: int) -> float:

@@ -133,6 +133,7 @@ class PaciRuntime:
         ctx = self.ctx
         ctx.check_prediction = lambda: main_params.check_optimizer(optimizer)
         ctx.prediction_layout = self.prediction_layout
+        ctx.prediction_mover = self.prediction_mover
         ctx.lr_sum = lambda group, steps: main_params.lr_sum(
             self.lr_scheduler, self.lr_increment_now(), group, steps)
         ctx.loss_scale_tensor = lambda: main_params.loss_scale_tensor(optimizer)
@@ -151,6 +152,18 @@ class PaciRuntime:
         else:
             self._layout.rehome()
         return self._layout
+
+    def prediction_mover(self):
+        """--paci-weight-prediction-overlap: the layer-by-layer move, or None (with a line
+        saying why) where the stage moves whole."""
+        from .prediction_overlap import LayerwiseMove
+
+        why = LayerwiseMove.supported(self._layout, self.model)
+        if why:
+            print(f"> PACI stage {self.stage}: --paci-weight-prediction-overlap moves the whole "
+                  f"stage before each predicted forward: {why}", flush=True)
+            return None
+        return LayerwiseMove(self._layout, self.model)
 
     def _use_stage_grad_stats(self, stage_local: bool) -> None:
         """PACI reduces grad norm / found-inf within the stage; stock 1F1B (and the sync

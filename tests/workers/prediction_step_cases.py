@@ -141,10 +141,61 @@ def run_case(case: str, out: str) -> None:
                        minors=sum(len(p.minors) for p in sp.pieces)), f)
 
 
+def run_layerwise(out: str) -> None:
+    """--paci-weight-prediction-overlap on CPU: the layer-by-layer move gives the forward the
+    whole-stage move gives, bit for bit, and leaves the weights as they were; a forward
+    outside a predicted one sees no hook."""
+    from paci_megatron.mcore.prediction_overlap import LayerwiseMove
+
+    cfg = {**BASE, "clip": 1.0}
+    model, opt, data = build_case(cfg)
+    for _ in range(2):
+        run_group(model, data)
+        opt.step()
+        model.zero_grad_buffer()
+        opt.zero_grad()
+    layout = main_params.StageLayout(model, opt)
+    config = get_model_config(model)
+    batch = next(data)
+    run_group(model, data)  # a gradient in the buffer to fold
+
+    def forward():
+        with torch.no_grad():
+            output, _ = mcore_schedules.forward_step(
+                build.gpt_forward_step, iter([batch]), model, A, None, [], config,
+                cp_group_size=1, is_first_microbatch=True, current_microbatch=0,
+                is_last_stage=True)
+        return output.clone()
+
+    def predicted(mover):
+        predict_ahead(layout, 2, grad_factor(A, 3), lambda group, n: n * group["lr"],
+                      None, None, mover)
+        return forward()
+
+    plain = forward()
+    before = [p.detach().clone() for p in model.parameters()]
+    whole = predicted(None)
+    layout.stage_pass.restore()
+    mover = LayerwiseMove(layout, model)
+    layered = predicted(mover)
+    mover.finish()
+    after = [p.detach() for p in model.parameters()]
+    rank = torch.distributed.get_rank()
+    with open(os.path.join(out, f"layerwise.rank{rank}.json"), "w") as f:
+        json.dump(dict(case="layerwise", layers=len(mover.layers), units=len(mover.units),
+                       outside=len(mover.outside), equal=torch.equal(whole, layered),
+                       moved=not torch.equal(whole, plain),
+                       restored=all(torch.equal(a, b) for a, b in zip(before, after)),
+                       plain_again=torch.equal(forward(), plain)), f)
+
+
 def main() -> int:
-    args = parse_case_args(CASES)
+    args = parse_case_args(list(CASES) + ["layerwise"])
     world = int(os.environ.get("WORLD_SIZE", "1"))
     for case in args.cases:
+        if case == "layerwise":
+            run_layerwise(args.out)
+            continue
         if CASES[case].get("dp", 1) != world:
             raise SystemExit(f"case {case} needs {CASES[case].get('dp', 1)} processes")
         run_case(case, args.out)

@@ -40,7 +40,7 @@ BASE = dict(tp=1, dp=1, a=4, n=4, calls=5, dropout=0.0, bf16=False, recompute=Fa
             dist_opt=False, clip=0.3, layers=4, drain_after=None, eval_after=None,
             audit=False, factors=None, tied=False,
             fp16=False, per_token=False, stale_weight=1.0, correction=0.0, predict=False,
-            predict_group=False)
+            predict_group=False, overlap=False)
 CASES: Dict[str, Dict] = {
     "p2_a4": dict(pp=2, dropout=0.1),
     "p2_a2": dict(pp=2, a=2, n=8, calls=4),
@@ -110,6 +110,9 @@ CASES: Dict[str, Dict] = {
     # --paci-weight-prediction-schedule per-group: one move at each group's first stale
     # forward, left until the step (fp16: a skipped step puts the weights back itself)
     "p4_bf16_predict_group": dict(pp=4, a=2, bf16=True, predict=True, predict_group=True),
+    # --paci-weight-prediction-overlap: the runtime moves layer by layer, the emulator the
+    # whole stage at once; on a CPU the two are the same numbers
+    "p4_bf16_predict_overlap": dict(pp=4, a=2, bf16=True, predict=True, overlap=True),
     "p2_fp16_predict_group": dict(pp=2, a=2, calls=6, fp16=True, predict=True,
                                   predict_group=True),
     "p2_dp2_distopt_bf16_predict_group": dict(pp=2, dp=2, a=2, dist_opt=True, bf16=True,
@@ -184,7 +187,7 @@ def run_runtime(case: str, out_dir: str) -> None:
                         tolerance=0.0, policy="cycle") if cfg["factors"] else None
     features = ([StaleGradWeights(cfg["stale_weight"])] if cfg["stale_weight"] != 1.0 else []) \
         + ([StaleGradCorrection(cfg["correction"])] if cfg["correction"] else []) \
-        + ([WeightPrediction(cfg["predict_group"])] if cfg["predict"] else [])
+        + ([WeightPrediction(cfg["predict_group"], cfg["overlap"])] if cfg["predict"] else [])
     rt = PaciRuntime(kind="paci", accumulation=cfg["a"], features=features,
                      policy=AdaptivePlan(cfg["pp"], adaptive) if adaptive else None)
     rt.bind(parts.optimizer, parts.lr_scheduler, lr_increment=cfg["a"] * MBS * info["dp_size"])
