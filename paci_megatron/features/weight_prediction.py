@@ -76,7 +76,10 @@ def unsupported(args) -> str:
                 "gathered before the forward that uses them, and put back right after it; "
                 "drop --overlap-param-gather")
     if getattr(args, "paci_accumulation_factor", None) == "auto":
-        return "does not support --paci-accumulation-factor auto yet; give a fixed factor"
+        return ("does not support --paci-accumulation-factor auto: a stale forward's "
+                "backward falls into the next call, whose factor auto decides only when that "
+                "call starts (so that deciding never stalls a stage), so the forward's steps "
+                "ahead are not known when it runs; give a fixed factor")
     if getattr(args, "optimizer", "adam") not in ("adam", "sgd"):
         return f"predicts Adam's and SGD's steps only, not --optimizer {args.optimizer}"
     beside = [name for name, dest, off in (
