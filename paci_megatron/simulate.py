@@ -71,7 +71,6 @@ def check_plan(plan: StreamPlan, nccl: Optional[NcclModel] = None) -> None:
     lists = tuple(tuple(act for k in range(calls) for act in plan.call(k)[s])
                   for s in range(plan.num_stages))
     run_lockstep(Schedule(f"{plan.kind} plan (first {calls} calls)", plan.num_stages,
-                          plan.accumulation, calls * plan.per_call, lists, plan.tied),
-                 open_weights=True)
+                          plan.accumulation, calls * plan.per_call, lists, plan.tied))
     if nccl is not None:
         run_stream_nccl(plan, calls, Costs(), nccl)
