@@ -27,9 +27,9 @@ class NcclModel:
 
     1. Host and device. A stage's host posts its actions in list order; its device runs them
        on the compute stream in that order. A wait for a communication (``Work.wait()``)
-       makes the compute stream wait, not the host (PGNCCL ``WorkNCCL::synchronizeStream``,
-       without ``TORCH_NCCL_BLOCKING_WAIT``). The host blocks only where rules 5, 6, 7, 10
-       and 12 say.
+       makes the compute stream wait for the work's end event, not the host (PGNCCL
+       ``WorkNCCL::wait``, unless ``TORCH_NCCL_BLOCKING_WAIT`` is set). The host blocks only
+       where rules 5, 6, 7, 10 and 12 say.
     2. Exchanges. The executor hands each run of consecutive point-to-point actions to the
        runtime, which splits it into exchanges (``schedule.exchanges``), one
        ``P2PCommunicator._communicate`` each (``mcore/handlers.py``).
@@ -45,7 +45,9 @@ class NcclModel:
        (``finish_send_of``) and at the end of the call (``reap_sends``).
     5. ``batch_sync`` (``batch_p2p_sync``, True by default in ``ModelParallelConfig``, which
        nothing in ``mcore/`` changes): a batched ``_communicate`` ends with
-       ``torch.cuda.synchronize()``.
+       ``torch.cuda.synchronize()``, Megatron's guard against a ``batch_isend_irecv`` race
+       that torch fixed in PR 82450 (2022: the work now waits for the streams recorded after
+       ``ncclGroupEnd``).
     6. ``shapes`` (``variable_seq_lengths``): before its data every exchange runs a batched
        shape exchange of the same operations, then ``torch.cuda.synchronize()`` and reads
        the shapes on the host (MC ``_communicate_shapes``, unconditionally).
@@ -64,7 +66,7 @@ class NcclModel:
        completes only once its receive runs (messages larger than NCCL's buffers, as
        activations and tied weights are; a small one may finish early, which only removes
        waits).
-    9. Which communicator (PGNCCL ``pointToPoint``; torch >= 2.5, PR 132900). Built lazily
+    9. Which communicator (PGNCCL ``pointToPoint``, since PR 132900 of 2024). Built lazily
        (``eager`` False: no ``device_id`` to ``init_process_group``, as
        ``mcore/distributed.py`` does today), a batched operation uses its group's
        communicator, an unbatched one a 2-rank communicator of its pair. ``eager``
