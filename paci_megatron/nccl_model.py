@@ -442,9 +442,10 @@ class _Comms:
                           single=True)
 
     def op(self, stage: int, action: Action, layer: str = "data", label: str = "") -> _Op:
+        other = peer(stage, action.op, self.num_stages)
         return _Op(self.rank(stage), label or f"{action}{'(shape)' if layer == 'shape' else ''}",
-                   self.of(stage, action, layer), self.rank(peer(stage, action.op, self.num_stages)),
-                   action.op in SEND_OPS, action, layer)
+                   self.of(stage, action, layer), self.rank(other), action.op in SEND_OPS,
+                   action, layer)
 
 
 _CALL_END = None  # marks the end of a forward-backward call in a stage's item list

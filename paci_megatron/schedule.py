@@ -425,8 +425,9 @@ class StreamPlan:
 
     The first calls start from an empty pipeline (warm-up); every later call is the same list
     shifted by N micro-batches (with tied embeddings too: the lists do not show which of the
-    last stage's steps install a weight, ``install_step`` does). After a call, stage s of PACI holds P-1-s forwards in flight
-    (and, for s > 0, the received input of its next forward); a flush plan holds none.
+    last stage's steps install a weight, ``install_step`` does). After a call, stage s of
+    PACI holds P-1-s forwards in flight (and, for s > 0, the received input of its next
+    forward); a flush plan holds none.
     """
 
     kind: str
