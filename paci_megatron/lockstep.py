@@ -2,7 +2,8 @@
 
 ``check_lists``: the static invariants of each stage's list. ``run_lockstep``: what gloo does
 here: a send is posted and never blocks; a receive waits until the matching send was posted
-(plus ``Costs.comm`` latency). Messages on one channel (sender, receiver, direction) are
+(plus ``Costs.comm`` latency), the tied weight's (RW) at the step that installs it
+(``schedule.install_step``). Messages on one channel (sender, receiver, direction) are
 received in the order they were sent. NCCL's rules are ``nccl_model.py``; ``simulate.py`` is
 the front door to both.
 """
@@ -13,8 +14,9 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Deque, Dict, List, Optional, Tuple
 
-from .schedule import COMPUTE_OPS, RECV_OPS, SEND_OPS, TIED_OPS, Action, Op, Schedule, channel
-from .shape import closes_group, drift_bound, tied_lag
+from .schedule import (COMPUTE_OPS, P2P_OPS, RECV_OPS, SEND_OPS, TIED_OPS, Action, Op, Schedule,
+                       channel, install_step)
+from .shape import closes_group, drift_bound
 
 
 class ScheduleError(ValueError):
@@ -157,7 +159,7 @@ def check_lists(schedule: Schedule) -> Tuple[List[Dict[int, int]], List[int]]:
                     raise ScheduleError(f"{where}: {act} does not follow R{m}")
                 steps += 1
             elif act.op in TIED_OPS:
-                _check_tied(schedule, s, act, last_work, steps, where)
+                _check_tied(schedule, s, act, last, last_work, where)
             elif act.op in RECV_OPS:
                 if (act.op is Op.RECV_F and s == 0) or (act.op is Op.RECV_B and s == P - 1):
                     raise ScheduleError(f"{where}: {act} has no sender")
@@ -166,8 +168,7 @@ def check_lists(schedule: Schedule) -> Tuple[List[Dict[int, int]], List[int]]:
                 if s == P - 1 or Action(Op.FORWARD, m) != last:
                     raise ScheduleError(f"{where}: {act} must follow F{m} on a non-last stage")
             elif act.op is Op.SEND_B:
-                if s == 0 or Action(Op.BACKWARD, m) != last and \
-                        Action(Op.SEND_TIED_GRAD, m) != last:
+                if s == 0 or Action(Op.BACKWARD, m) != last:
                     raise ScheduleError(f"{where}: {act} must follow B{m} on a non-first stage")
             last = act
             if act.op in COMPUTE_OPS or act.op in (Op.REDUCE, Op.STEP):
@@ -188,48 +189,60 @@ def check_lists(schedule: Schedule) -> Tuple[List[Dict[int, int]], List[int]]:
     return drifts, peaks
 
 
-def _check_tied(schedule: Schedule, s: int, act: Action, last_work: Optional[Action],
-                steps: int, where: str) -> None:
-    """Where the tied-weight exchange may sit: SG right after the last stage's closing
-    backward, RG before stage 0's R, SW right after stage 0's T, and RW (the weight of stage
-    0's step L = tied_lag steps back) after each later step of the last stage, or after its
-    last backward (the drain)."""
+def _check_tied(schedule: Schedule, s: int, act: Action, previous: Optional[Action],
+                last_work: Optional[Action], where: str) -> None:
+    """Where the tied messages of a group sit, in the same order at both ends: on the last
+    stage SG right after the exchange that follows its closing backward, then RW (the
+    receive of stage 0's weight of that group, installed ``tied_lag`` steps later); on stage 0
+    RG after its closing backward, before its R, and SW right after its T."""
     P, a, m = schedule.num_stages, schedule.accumulation, act.mb
     owner, last = s == 0, s == P - 1
     if not schedule.tied or P < 2 or not closes_group(m, a):
         raise ScheduleError(f"{where}: {act} in a list without a tied weight, or not at a "
                             "group's end")
-    lag = tied_lag(P, a)
-    if act.op is Op.SEND_TIED_GRAD and last and last_work == Action(Op.BACKWARD, m):
+    if act.op is Op.SEND_TIED_GRAD and last and last_work == Action(Op.BACKWARD, m) \
+            and previous is not None and previous.op in P2P_OPS:
+        return
+    if act.op is Op.RECV_TIED_WEIGHT and last and previous == Action(Op.SEND_TIED_GRAD, m):
         return
     if act.op is Op.RECV_TIED_GRAD and owner and last_work == Action(Op.BACKWARD, m):
         return
     if act.op is Op.SEND_TIED_WEIGHT and owner and last_work == Action(Op.STEP, m):
         return
-    if act.op is Op.RECV_TIED_WEIGHT and last and (
-            last_work == Action(Op.STEP, m + lag * a) or steps - lag <= m // a < steps):
-        return
-    raise ScheduleError(f"{where}: {act} out of place (after {last_work}, lag {lag})")
+    raise ScheduleError(f"{where}: {act} out of place (after {previous})")
 
 
-def run_lockstep(schedule: Schedule, costs: Costs = Costs(),
-                 open_weights: bool = False) -> List[List[Event]]:
-    """Time every action; raises DeadlockError naming what each stuck stage waits for.
-    ``open_weights``: the lists are a stream cut short, which leaves stage 0's last tied
-    weights unreceived by design."""
+def run_lockstep(schedule: Schedule, costs: Costs = Costs()) -> List[List[Event]]:
+    """Time every action; raises DeadlockError naming what each stuck stage waits for."""
     P = schedule.num_stages
     pos = [0] * P
     clock = [0.0] * P
     queues: Dict[Tuple[int, int, str], Deque[Tuple[int, float]]] = defaultdict(deque)
     events: List[List[Event]] = [[] for _ in range(P)]
-    remaining = sum(len(acts) for acts in schedule.stages)
+    unclaimed: List[Deque[Action]] = [deque() for _ in range(P)]  # RW posted, not installed
+    remaining = sum(len(acts) + sum(a.op is Op.RECV_TIED_WEIGHT for a in acts)
+                    for acts in schedule.stages)
     while remaining:
         progressed = False
         for s, acts in enumerate(schedule.stages):
+            while unclaimed[s] and pos[s] == len(acts):  # the end (a drain) takes the rest
+                if not _claim_weight(queues, unclaimed[s], s, P, clock, events[s][-1].end):
+                    break
+                remaining -= 1
+                progressed = True
             while pos[s] < len(acts):
                 act = acts[pos[s]]
                 start = clock[s]
-                if act.op in RECV_OPS:
+                if act.op is Op.STEP and unclaimed[s] and act.mb == install_step(
+                        unclaimed[s][0].mb, P, schedule.accumulation):
+                    if not _claim_weight(queues, unclaimed[s], s, P, clock,
+                                         start + costs.at(s, act)):
+                        break
+                    remaining -= 1
+                    start = clock[s] - costs.at(s, act)
+                elif act.op is Op.RECV_TIED_WEIGHT:
+                    unclaimed[s].append(act)
+                elif act.op in RECV_OPS:
                     queue = queues[channel(s, act, P)]
                     if not queue:
                         break
@@ -249,13 +262,29 @@ def run_lockstep(schedule: Schedule, costs: Costs = Costs(),
                 progressed = True
         if not progressed:
             stuck = ", ".join(
-                f"stage {s} waits at #{pos[s]} {acts[pos[s]]}"
+                f"stage {s} waits at #{pos[s]} "
+                f"{acts[pos[s]] if pos[s] < len(acts) else 'the end'}"
+                + (f" for {unclaimed[s][0]}" if unclaimed[s] else "")
                 for s, acts in enumerate(schedule.stages)
-                if pos[s] < len(acts)
+                if pos[s] < len(acts) or unclaimed[s]
             )
             raise DeadlockError(f"{schedule.name}: deadlock: {stuck}")
-    leftovers = {ch: list(q) for ch, q in queues.items() if q
-                 and not (open_weights and ch[2] == "W")}
+    leftovers = {ch: list(q) for ch, q in queues.items() if q}
     if leftovers:
         raise ScheduleError(f"{schedule.name}: messages never received: {leftovers}")
     return events
+
+
+def _claim_weight(queues, unclaimed: Deque[Action], s: int, P: int, clock: List[float],
+                  after: float) -> bool:
+    """Install the oldest posted tied weight once it has arrived: the stage's clock moves to
+    ``after`` or its arrival. False while it has not been sent."""
+    queue = queues[channel(s, unclaimed[0], P)]
+    if not queue:
+        return False
+    sent_mb, ready = queue.popleft()
+    act = unclaimed.popleft()
+    if sent_mb != act.mb:
+        raise ScheduleError(f"stage {s}: {act} got micro-batch {sent_mb} (messages out of order)")
+    clock[s] = max(after, ready)
+    return True

@@ -9,7 +9,8 @@ stage), ``SB3``/``RB3`` (send/receive its gradient to/from the previous/next sta
 (finish the group closed by the backward of micro-batch 7: its data-parallel gradient sync)
 and ``T7`` (the local optimizer step after it). With tied embeddings (P > 1), ``SG7``/``RG7``
 carry the last stage's output-layer gradient of that group to stage 0, and ``SW7``/``RW7``
-stage 0's tied weight after its step ``T7`` to the last stage.
+stage 0's tied weight after its step ``T7`` to the last stage, which installs it after its
+own step ``tied_lag`` steps later (``install_step``).
 """
 
 from __future__ import annotations
@@ -47,17 +48,18 @@ P2P_OPS = P2P_SENDS + P2P_RECVS
 TIED_OPS = (Op.SEND_TIED_GRAD, Op.RECV_TIED_GRAD, Op.SEND_TIED_WEIGHT, Op.RECV_TIED_WEIGHT)
 SEND_OPS = P2P_SENDS + (Op.SEND_TIED_GRAD, Op.SEND_TIED_WEIGHT)
 RECV_OPS = P2P_RECVS + (Op.RECV_TIED_GRAD, Op.RECV_TIED_WEIGHT)
-# what follows the backward that closes a group (after its gradient went back): the group's
-# gradients are finished, stepped, and the tied weight travels
-STEP_BLOCK = (Op.RECV_TIED_GRAD, Op.REDUCE, Op.STEP, Op.SEND_TIED_WEIGHT, Op.RECV_TIED_WEIGHT)
+# what follows the backward that closes a group (after its gradient went back): the tied
+# messages of that group, and the group's gradients finished and stepped
+STEP_BLOCK = (Op.SEND_TIED_GRAD, Op.RECV_TIED_WEIGHT, Op.RECV_TIED_GRAD, Op.REDUCE, Op.STEP,
+              Op.SEND_TIED_WEIGHT)
 _ACTION_RE = re.compile(r"^(SF|RF|SB|RB|SG|RG|SW|RW|F|B|R|T)(\d+)$")
 
 
 @dataclass(frozen=True, order=True)
 class Action:
     op: Op
-    # micro-batch index; for R, T, SG and SW the micro-batch whose backward closes the group,
-    # for RG the same, for RW the one that closed stage 0's step whose weight it installs
+    # micro-batch index; for R, T and the tied actions the micro-batch whose backward closes
+    # the group (for SW and RW: the group of stage 0's step whose weight travels)
     mb: int
 
     def __str__(self) -> str:
@@ -135,29 +137,34 @@ def _forward_actions(stage: int, num_stages: int, mb: int) -> List[Action]:
 
 def _backward_actions(stage: int, num_stages: int, mb: int, accumulation: int,
                       tied: bool) -> List[Action]:
-    """RB, B, SB, and after the backward that closes a group: R, T. Tied: the last stage
-    sends the group's output-layer gradient right after its backward (SG) and installs stage
-    0's weight of L = tied_lag steps earlier after its step (RW); stage 0 adds that gradient
-    before its R (RG) and sends its weight after its T (SW)."""
+    """RB, B, SB, and after the backward that closes a group: R, T. Tied, the group's two
+    messages in the same order at both ends: the last stage sends its output-layer gradient
+    once its own gradient went back (SG, after SB and the receive ``receive_before_step``
+    puts there) and posts the receive of stage 0's weight of that group (RW); stage 0 adds
+    that gradient before its R (RG) and sends the weight it stepped to after its T (SW)."""
     first, last = stage == 0, stage == num_stages - 1
     acts = [] if last else [Action(Op.RECV_B, mb)]
     acts.append(Action(Op.BACKWARD, mb))
     closes = closes_group(mb, accumulation)
-    if tied and last and closes:
-        acts.append(Action(Op.SEND_TIED_GRAD, mb))
     if not first:
         acts.append(Action(Op.SEND_B, mb))
     if not closes:
         return acts
+    if tied and last:
+        acts += [Action(Op.SEND_TIED_GRAD, mb), Action(Op.RECV_TIED_WEIGHT, mb)]
     if tied and first:
         acts.append(Action(Op.RECV_TIED_GRAD, mb))
     acts += [Action(Op.REDUCE, mb), Action(Op.STEP, mb)]
     if tied and first:
         acts.append(Action(Op.SEND_TIED_WEIGHT, mb))
-    lag_mbs = tied_lag(num_stages, accumulation) * accumulation
-    if tied and last and mb >= lag_mbs:
-        acts.append(Action(Op.RECV_TIED_WEIGHT, mb - lag_mbs))
     return acts
+
+
+def install_step(mb: int, num_stages: int, accumulation: int) -> int:
+    """The last stage's step (the micro-batch closing it) after which it installs stage 0's
+    weight of the step closing ``mb``: ``tied_lag`` steps later. RW only posts the receive;
+    the install waits for it there."""
+    return mb + tied_lag(num_stages, accumulation) * accumulation
 
 
 def _one_f_one_b(stage: int, num_stages: int, mbs: Sequence[int], accumulation: int,
@@ -177,7 +184,8 @@ def _one_f_one_b(stage: int, num_stages: int, mbs: Sequence[int], accumulation: 
 def receive_before_step(actions: Sequence[Action]) -> List[Action]:
     """Move the receive of the next forward input from just after a local step to just before
     the group's gradients are finished: ``B j SB j R j T j RF k`` becomes
-    ``B j SB j RF k R j T j``.
+    ``B j SB j RF k R j T j`` (and the last stage's tied messages, ``SG j RW j``, follow
+    ``RF k``).
 
     ``SB j`` and ``RF k`` then form one exchange (Megatron's send_backward_recv_forward), the
     partner of the previous stage's ``SF k``+``RB j``. With NCCL that partner exchange completes
@@ -195,15 +203,6 @@ def receive_before_step(actions: Sequence[Action]) -> List[Action]:
     return out
 
 
-def _trailing_tied_receives(num_stages: int, accumulation: int, num_microbatches: int
-                            ) -> List[Action]:
-    """The end of a finite run (a drain): the last stage receives the weights of stage 0's
-    last L steps, which no later step of its own installs."""
-    steps = num_microbatches // accumulation
-    first = max(0, steps - tied_lag(num_stages, accumulation))
-    return [Action(Op.RECV_TIED_WEIGHT, (g + 1) * accumulation - 1) for g in range(first, steps)]
-
-
 def build_paci(num_stages: int, accumulation: int, num_microbatches: int,
                tied: bool = False) -> Schedule:
     """PACI: one 1F1B stream that never flushes; each stage steps after every a-th backward.
@@ -219,8 +218,6 @@ def build_paci(num_stages: int, accumulation: int, num_microbatches: int,
     mbs = list(range(num_microbatches))
     stages = [receive_before_step(_one_f_one_b(s, num_stages, mbs, accumulation, tied))
               for s in range(num_stages)]
-    if tied:
-        stages[-1] += _trailing_tied_receives(num_stages, accumulation, num_microbatches)
     return Schedule("paci", num_stages, accumulation, num_microbatches,
                     tuple(map(tuple, stages)), tied)
 
@@ -314,7 +311,7 @@ def exchanges(actions: Sequence[Action]) -> List[Tuple[Action, ...]]:
 
 # --- cutting the stream into calls ----------------------------------------------------------
 
-_CLOSING = (Op.SEND_B, Op.SEND_TIED_GRAD) + STEP_BLOCK
+_CLOSING = (Op.SEND_B,) + STEP_BLOCK
 
 
 def _index_after_backward(actions: Sequence[Action], count: int) -> int:
@@ -332,7 +329,7 @@ def _index_after_backward(actions: Sequence[Action], count: int) -> int:
                 while j < len(actions) and actions[j].op in _CLOSING:
                     j += 1
                 if j + 1 < len(actions) and actions[j].op is Op.RECV_F \
-                        and actions[j + 1] == Action(Op.REDUCE, act.mb):
+                        and actions[j + 1].op in STEP_BLOCK and actions[j + 1].mb == act.mb:
                     j += 1
                     while j < len(actions) and actions[j].op in STEP_BLOCK:
                         j += 1
@@ -386,16 +383,16 @@ def segments(schedule: Schedule, backwards_per_call: int) -> List[Tuple[Tuple[Ac
 
 
 def _check_closed(segment: Sequence[Sequence[Action]], k: int) -> None:
-    """No message may cross a call boundary: what a call sends, it also receives. The one
-    exception is the tied weight, which the last stage installs L steps later by design."""
+    """No message may cross a call boundary: what a call sends, it also receives (the tied
+    weight too; the last stage installs it L steps later from where it was received)."""
     P = len(segment)
 
     def messages(ops):
         return sorted((channel(s, a, P), a.mb) for s, acts in enumerate(segment) for a in acts
                       if a.op in ops)
 
-    sent = messages(tuple(op for op in SEND_OPS if op is not Op.SEND_TIED_WEIGHT))
-    got = messages(tuple(op for op in RECV_OPS if op is not Op.RECV_TIED_WEIGHT))
+    sent = messages(SEND_OPS)
+    got = messages(RECV_OPS)
     if sent != got:
         raise ValueError(f"call {k} leaves messages in transit: sent {sent}, received {got}")
 
@@ -426,10 +423,11 @@ Segment = Tuple[Tuple[Action, ...], ...]
 class StreamPlan:
     """What each stage runs in the k-th call of an endless stream of N micro-batches a call.
 
-    The first calls start from an empty pipeline (warm-up; with tied embeddings also the steps
-    before the last stage installs stage 0's weights); every later call is the same list
-    shifted by N micro-batches. After a call, stage s of PACI holds P-1-s forwards in flight
-    (and, for s > 0, the received input of its next forward); a flush plan holds none.
+    The first calls start from an empty pipeline (warm-up); every later call is the same list
+    shifted by N micro-batches (with tied embeddings too: the lists do not show which of the
+    last stage's steps install a weight, ``install_step`` does). After a call, stage s of
+    PACI holds P-1-s forwards in flight (and, for s > 0, the received input of its next
+    forward); a flush plan holds none.
     """
 
     kind: str
@@ -480,8 +478,6 @@ def plan_stream(kind: str, num_stages: int, accumulation: int, per_call: int,
     check_per_call(per_call, accumulation)
     tied = tied and kind == "paci" and num_stages > 1
     warm = math.ceil(num_stages / per_call)
-    if tied:
-        warm += math.ceil(tied_lag(num_stages, accumulation) * accumulation / per_call)
     calls = warm + 3 + math.ceil(num_stages / per_call)
     segs = segments(build(kind, num_stages, accumulation, per_call * calls, tied), per_call)
     usable = calls - math.ceil(num_stages / per_call)  # the tail drains the finite schedule

@@ -1,7 +1,7 @@
 """Check a Schedule's per-stage lists and time them, without torch: the front door to the two
 communication models. ``run_lockstep`` (``lockstep.py``, the default; what gloo does here):
 a send never blocks, a receive waits for its send. ``run_nccl`` (``nccl_model.py``,
-``simulate(..., nccl=NcclModel(...))``): NCCL's pairing rules as Megatron-Core drives them.
+``simulate(..., nccl=NcclModel(...))``): NCCL as Megatron-Core and torch drive it.
 ``check_plan`` is what a run's own plan passes before it starts. ``python -m
 paci_megatron.simulate`` prints and checks a schedule.
 """
@@ -71,7 +71,6 @@ def check_plan(plan: StreamPlan, nccl: Optional[NcclModel] = None) -> None:
     lists = tuple(tuple(act for k in range(calls) for act in plan.call(k)[s])
                   for s in range(plan.num_stages))
     run_lockstep(Schedule(f"{plan.kind} plan (first {calls} calls)", plan.num_stages,
-                          plan.accumulation, calls * plan.per_call, lists, plan.tied),
-                 open_weights=True)
+                          plan.accumulation, calls * plan.per_call, lists, plan.tied))
     if nccl is not None:
         run_stream_nccl(plan, calls, Costs(), nccl)

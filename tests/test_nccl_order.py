@@ -1,4 +1,6 @@
-"""PACI's action order under NCCL's pairing rules (pure: the simulator's NcclModel, no torch)."""
+"""PACI's action order under NCCL's pairing rules (pure: the simulator's NcclModel, no torch),
+with the runtime's settings; tests/test_nccl_hazards.py has today's settings and the tied and
+first-use hazards."""
 
 import itertools
 
@@ -33,7 +35,7 @@ def step_then_receive(schedule: Schedule) -> Schedule:
 @pytest.mark.parametrize("P,a", GRID)
 def test_shipped_paci_stream_is_accepted_by_every_nccl_model(P, a):
     # the warm-up calls and two steady calls, each stage waiting for its sends at call ends;
-    # with tied embeddings the tied-weight messages too (they cross calls by design)
+    # with tied embeddings the tied messages too
     for N in sorted({a, 2 * a} if a <= 3 else {a}):
         for tied in (False, True):
             plan = plan_stream("paci", P, a, N, tied)

@@ -108,18 +108,25 @@ def check_paci_model(model, pg: ProcessGroupCollection) -> None:
         raise ValueError(ZERO_CENTERED_GAMMA)
 
 
-def nccl_model_of(config) -> Optional[NcclModel]:
-    """How this run's point-to-point traffic meets NCCL; None on gloo (sends never block)."""
+def nccl_model_of(config, warmed: bool = False) -> Optional[NcclModel]:
+    """How this run's traffic meets NCCL (``nccl_model.NcclModel``), with a device-wide sync
+    possible anywhere (the allocator's retries); None on gloo (sends never block).
+    ``warmed``: the runtime has run the start-up exchange (``nccl_model.warmup_programs``)."""
     if not torch.distributed.is_initialized() or torch.distributed.get_backend() != "nccl":
         return None
-    return NcclModel(batched=bool(config.batch_p2p_comm),
-                     shapes=bool(getattr(config, "variable_seq_lengths", False)))
+    batched = bool(config.batch_p2p_comm)
+    default_group = torch.distributed.distributed_c10d._get_default_group()
+    return NcclModel(batched=batched,
+                     shapes=bool(getattr(config, "variable_seq_lengths", False)),
+                     batch_sync=batched and bool(getattr(config, "batch_p2p_sync", True)),
+                     eager=getattr(default_group, "bound_device_id", None) is not None,
+                     warmed=warmed, sync_anywhere=True)
 
 
-def admit_plan(plan: StreamPlan, config) -> None:
+def admit_plan(plan: StreamPlan, config, warmed: bool = False) -> None:
     """Run the user's actual plan through the simulator's checks and this run's NCCL model;
     refuse it, naming why, if they reject it."""
-    model = nccl_model_of(config)
+    model = nccl_model_of(config, warmed)
     try:
         check_plan(plan, model)
     except ScheduleError as exc:

@@ -62,7 +62,7 @@ def simulate_stream(kind: str, num_stages: int, microbatches: int, bench: Bench,
     plan = plan_stream(kind, num_stages, microbatches, microbatches, tied)
     if nccl is None:
         sched = stream_schedule(kind, num_stages, microbatches, bench.calls, tied)
-        events = run_lockstep(sched, costs or bench.costs(), open_weights=True)
+        events = run_lockstep(sched, costs or bench.costs())
     else:
         events = run_stream_nccl(plan, bench.calls, costs or bench.costs(), nccl)
     worst = 0.0
