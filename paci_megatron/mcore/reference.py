@@ -163,18 +163,19 @@ class TiedState:
             raise RuntimeError("the last stage's output layer does not start equal to stage "
                                "0's word embedding")
         self.grads: List[torch.Tensor] = []
-        self.weights: List[torch.Tensor] = []
+        self.weights: List[torch.Tensor] = []  # sent by stage 0 (SW), not yet received
+        self.inbox: List[torch.Tensor] = []  # received by the last stage (RW), not installed
         self.last_steps = 0
         self.installed = 0
         self.histogram: Dict[int, int] = {}
 
     def catch_up(self) -> None:
         """A drain: the last stage takes stage 0's newest weight; a new stream starts."""
-        if self.grads:
-            raise RuntimeError("drain with a tied-embedding gradient in transit")
-        if self.weights:
-            install(self.last, self.last_main, self.weights[-1])
-        self.weights, self.last_steps, self.installed = [], 0, 0
+        if self.grads or self.weights:
+            raise RuntimeError("drain with a tied-embedding message in transit")
+        if self.inbox and self.installed < self.last_steps:
+            install(self.last, self.last_main, self.inbox[-1])
+        self.inbox, self.last_steps, self.installed = [], 0, 0
 
 
 class PipelineEmulator:
@@ -403,6 +404,9 @@ class PipelineEmulator:
         undo = None
         if tied is not None and tied.last_steps < self.tied_lag:
             undo = tied.last_main.detach().clone()
+        elif tied is not None:  # stage 0's weight after its step last_steps - lag
+            undo = tied.inbox.pop(0)
+            tied.installed = tied.last_steps - self.tied_lag + 1
         with keep_version_counters(list(model.parameters())):
             ok, grad_norm = self._optimizer_step(stage)
         if stage.layout is not None:
@@ -430,12 +434,9 @@ class PipelineEmulator:
         self.tied.weights.append(self.tied.owner_main.detach().clone())
 
     def _recv_tied_weight(self, stage: _Stage, mb: int) -> None:
-        """The last stage takes stage 0's weight after its step closing ``mb``; the step's
-        record shows the weights after it."""
-        tied = self.tied
-        install(tied.last, tied.last_main, tied.weights.pop(0))
-        tied.installed = (mb + 1) // self.accumulation
-        stage.steps[-1].weights = weights_sha256([stage.parts.model])
+        """The last stage receives stage 0's weight after its step closing ``mb``; its own
+        step tied_lag steps later installs it."""
+        self.tied.inbox.append(self.tied.weights.pop(0))
 
     def _optimizer_step(self, stage: _Stage) -> tuple:
         """Megatron's optimizer step; with --paci-stale-grad-correction K its parts spelled

@@ -10,12 +10,17 @@ make the last stage wait for the first at each local step. Instead, as actions o
   over data parallel) right after the backward that closes u; RG: stage 0 adds it to its own
   before its R (the data-parallel reduction), so stage 0 steps on the sum stock's all-reduce
   computes; SW: stage 0 sends the weight it stepped to;
-* RW: the last stage installs stage 0's weight after step i at its own step i + L, L =
-  ``shape.tied_lag(P, a)`` = ceil(P/a): the smallest lag at which that message has been sent
-  before the last stage needs it (stage 0 sends after step i, then runs forward (i+1)a-1+P,
-  which the last stage's step i + L waits for through the pipeline). Before that the last
-  stage keeps its copy where it was (its own optimizer's move is undone). Both copies
-  therefore run through the same values, the last stage's L steps late;
+* RW: right after sending SG of group i the last stage posts the receive of stage 0's weight
+  after step i, and installs it after its own step i + L, L = ``shape.tied_lag(P, a)`` =
+  ceil(P/a): the smallest lag at which that message has been sent before the last stage
+  needs it (stage 0 sends after step i, then runs forward (i+1)a-1+P, which the last stage's
+  step i + L waits for through the pipeline). Before that the last stage keeps its copy where
+  it was (its own optimizer's move is undone). Both copies therefore run through the same
+  values, the last stage's L steps late. Both ends meet a group's two messages in the same
+  order (SG, then the weight), so one communicator serves both directions without either
+  send waiting behind the other's receive, and every receive is posted before its send: a
+  send completes as soon as it is posted (stage 0 keeps one copy in flight), the last stage
+  holds the L + 1 weights it received and has not installed;
 * a drain (and an evaluation without drain, temporarily) brings the last stage's copy up to
   date: stage 0 already sent every version, the last stage only receives.
 
@@ -117,8 +122,9 @@ class TiedEmbedding(StageFeature):
         self.peer = others[0]
         self.steps = 0  # local steps of this stream
         self.sends: List[Tuple[int, Any, torch.Tensor]] = []  # (step index, work, tensor)
-        self.inbox: Deque[torch.Tensor] = deque()  # owner weights received, not installed
-        self.received = 0  # owner weights received so far
+        # last stage: receives of stage 0's weights posted (RW), oldest first, not installed:
+        # [work (None once waited), weight]
+        self.inbox: Deque[list] = deque()
         self.installed = 0  # owner version the last stage's copy holds
         self.snapshot: Optional[torch.Tensor] = None
         self.histogram = histogram  # kept by the runtime across streams
@@ -149,29 +155,42 @@ class TiedEmbedding(StageFeature):
 
     def after_step(self, ctx: StageContext, record) -> None:
         """Last stage: undo its own move of the tied weight; the first L steps of a stream
-        keep the stream's starting value, the later ones get stage 0's from RW."""
+        keep the stream's starting value, step n >= L installs stage 0's weight after its
+        step n - L (received by the oldest RW posted)."""
         if self.is_owner:
             return
         if self.steps < self.lag:
             install(self.weight, self.main, self.snapshot)
             self.snapshot = None
+        else:
+            install(self.weight, self.main, self._wait(self.inbox.popleft()))
+            self.installed = self.steps - self.lag + 1
         self.steps += 1
         # stage 0 received gradient u at its step u, which precedes this step if u <= steps-1-L
         self._wait_sends(self.steps - 1 - self.lag)
 
     def install_weight(self, owner_mb: int) -> None:
-        """RW: stage 0's weight after its step closing ``owner_mb`` (received if not yet)."""
-        version = (owner_mb + 1) // self.accumulation
-        self._receive_upto(version)
-        install(self.weight, self.main, self.inbox.popleft())
-        self.installed = version
+        """RW: post the receive of stage 0's weight after its step closing ``owner_mb``;
+        ``after_step`` L steps later installs it."""
+        weight = torch.empty_like(self.main)
+        self.inbox.append([torch.distributed.irecv(weight, src=self.peer, group=self.group),
+                           weight])
 
-    def _receive_upto(self, count: int) -> None:
-        while self.received < count:
-            buf = torch.empty_like(self.main)
-            torch.distributed.irecv(buf, src=self.peer, group=self.group).wait()
-            self.inbox.append(buf)
-            self.received += 1
+    @staticmethod
+    def _wait(entry: list) -> torch.Tensor:
+        """A posted receive's weight, waited for once (gloo's wait is not idempotent: a
+        second wait on the same receive waits for another message)."""
+        if entry[0] is not None:
+            entry[0].wait()
+            entry[0] = None
+        return entry[1]
+
+    def _received(self) -> Optional[torch.Tensor]:
+        """Every weight posted for is in (stage 0 sent them all before this call ended); the
+        newest, or None when none is pending."""
+        for entry in self.inbox:
+            self._wait(entry)
+        return self.inbox[-1][1] if self.inbox else None
 
     # stage 0 ---------------------------------------------------------------------------------
     def add_output_grad(self, factor: float = 1.0) -> None:
@@ -190,9 +209,9 @@ class TiedEmbedding(StageFeature):
         work = torch.distributed.isend(value, dst=self.peer, group=self.group)
         self.sends.append((self.steps, work, value))
         self.steps += 1
-        # the last stage received weight i at its step i + L, done before this step if
-        # i + L <= steps - 2
-        self._wait_sends(self.steps - 2 - self.lag)
+        # the last stage posted the receive of weight i before stage 0's step i (right after
+        # its SG i): the previous weight's send is done by now, one copy stays in flight
+        self._wait_sends(self.steps - 2)
 
     # both ------------------------------------------------------------------------------------
     def _wait_sends(self, upto: int) -> None:
@@ -209,8 +228,8 @@ class TiedEmbedding(StageFeature):
         inbox for the steps that will install it; None when the copy is current."""
         if self.is_owner:
             return None
-        self._receive_upto(self.steps)
-        return self.inbox[-1] if self.installed < self.steps and self.inbox else None
+        newest = self._received()
+        return newest if self.installed < self.steps else None
 
     @contextlib.contextmanager
     def current_weight(self):

@@ -227,14 +227,7 @@ def run_runtime(case: str, out_dir: str) -> None:
                 pieces = features[-1].layout.stage_pass.pieces
                 restores.append(all(p.target.equal(p.main.to(p.target.dtype)) for p in pieces))
 
-    rt.user_features.append(Recorder())
-    install_weight = MegatronHandlers.recv_tied_weight
-
-    def install_and_record(self, mb: int) -> None:  # the weights after the whole step block
-        install_weight(self, mb)
-        steps[-1]["weights"] = weights_sha256([parts.model])
-
-    MegatronHandlers.recv_tied_weight = install_and_record
+    rt.user_features.append(Recorder())  # after the tied feature's: the weights installed
     losses: List[str] = []
     eval_data = build.mock_data_iterator(spec_of(cfg), MBS, SEED + 1) \
         if info["is_first"] or info["is_last"] else None
