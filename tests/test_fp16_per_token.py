@@ -172,7 +172,7 @@ def test_fp16_save_and_resume_equals_an_uninterrupted_run(tmp_path):
     the stages skip different steps, and a skipped step advances none of them): train to 8
     saving at 4 == train to 4, save, load, go on, bit for bit."""
     flags = ["--pipeline-schedule", "paci", "--untie-embeddings-and-output-weights",
-             "--train-iters", "8", "--fp16", "--initial-loss-scale", "65536",
+             "--train-iters", "8", "--fp16", "--initial-loss-scale", "131072",
              "--loss-scale-window", "2", "--hysteresis", "1", "--paci-accumulation-factor", "4"]
     runs = [["--save", str(tmp_path / "whole"), "--save-interval", "4"],
             ["--save", str(tmp_path / "part"), "--exit-interval", "4"],

@@ -34,8 +34,7 @@ class StageContext:
     per_token: bool = False  # --calculate-per-token-loss: gradients are token sums until R
     # what the action lists say: the stage's local steps between F mb and B mb
     planned_drift: Callable[[int], int] = lambda mb: 0
-    loss_scale: Callable[[], float] = lambda: 1.0  # what the gradient buffers are scaled by
-    loss_scale_tensor: Callable[[], Any] = lambda: None  # the same, on the device (None: 1)
+    loss_scale_tensor: Callable[[], Any] = lambda: None  # the buffers' loss scale (None: 1)
     weights_moved: bool = False  # a hook moved the weights: the next forward refreshes caches
     # the weight prediction's services (mcore/): the optimizer's check, the stage's flat state
     # (main_params.StageLayout, made or re-homed at each stream start), the LRs of the next

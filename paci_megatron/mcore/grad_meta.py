@@ -13,6 +13,9 @@ local step, so all backwards of a group use one scale.
 Per-token loss: the last stage counts each micro-batch's tokens; every stage sums the counts of
 its group and divides its gradients by the sum (all-reduced over data-parallel ranks, as
 stock) when the group is finished: stock broadcasts the count over the pipeline group instead.
+
+Everything stays on the device: the scale and the count travel as a two-element tensor, the
+rescale and the division take device tensors, and no number is read back by the host.
 """
 
 from __future__ import annotations
@@ -30,70 +33,77 @@ class GradMeta:
         self.per_token = per_token
         self.device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
         self.group_tokens = 0  # this stage's tokens since its last step, weighted as its grads
-        self.plain_tokens = 0  # the same, unweighted
+        self.plain_tokens = 0  # the same, unweighted (device tensors once counted)
+        self.weighted = False  # a stale-gradient weight applied to the counts
         self._totals: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
 
-    def before_backward(self, state, mb: int, own_scale: float, *, is_first: bool,
+    def before_backward(self, state, mb: int, own_scale, *, is_first: bool,
                         is_last: bool, token_weight: float = 1.0) -> None:
+        """``own_scale``: this stage's loss scale on the device (None: 1)."""
+        scale = self._as_meta(1.0 if own_scale is None else own_scale)
         if is_last:
-            sender, tokens = own_scale, int(state.tokens.pop(mb))
+            tokens = self._as_meta(state.tokens.pop(mb))
         else:
             sender, tokens = state.meta_in.pop(mb)
-            if sender != own_scale:
+            if self.fp16:  # a power of two: exact (1 where the scales agree)
                 with torch.no_grad():  # Megatron's receive buffers require grad
-                    state.output_grads[mb].mul_(own_scale / sender)
+                    state.output_grads[mb].mul_(scale / sender)
         # --paci-stale-grad-weight: the count is weighted as the gradient is
-        self.group_tokens += tokens if token_weight == 1.0 else token_weight * tokens
-        self.plain_tokens += tokens
+        self.weighted = self.weighted or token_weight != 1.0
+        self.group_tokens = self.group_tokens + (tokens if token_weight == 1.0
+                                                 else token_weight * tokens)
+        self.plain_tokens = self.plain_tokens + tokens
         if not is_first:
-            state.meta_out[mb] = torch.tensor([own_scale, tokens], dtype=torch.float64,
-                                              device=self.device)
+            state.meta_out[mb] = torch.stack([scale, tokens])
+
+    def _as_meta(self, value) -> torch.Tensor:
+        """A 0-d float64 on this stage's device (a number, or a tensor kept there)."""
+        if torch.is_tensor(value):
+            return value.to(device=self.device, dtype=torch.float64).reshape(())
+        return torch.full((), value, dtype=torch.float64, device=self.device)  # no copy
 
     def send(self, meta: torch.Tensor, dst: int, group) -> tuple:
         work = torch.distributed.isend(meta, dst=dst, group=group)
         return work, meta  # the tensor stays referenced until the send is waited for
 
     def receive(self, src: int, group) -> tuple:
+        """(the sender's scale, the tokens), as device tensors: the wait orders the device
+        stream (NCCL) without holding the host."""
         buf = torch.empty(2, dtype=torch.float64, device=self.device)
         torch.distributed.irecv(buf, src=src, group=group).wait()
-        scale, tokens = buf.tolist()
-        return scale, int(tokens)
-
-    @property
-    def weighted(self) -> bool:
-        return not isinstance(self.group_tokens, int)
+        return buf[0], buf[1]
 
     def _count(self, dp_cp_group) -> torch.Tensor:
-        count = torch.tensor(self.group_tokens, device=self.device,
-                             dtype=torch.float64 if self.weighted else torch.int)
+        count = self._as_meta(self.group_tokens)
         if dp_cp_group is not None and dp_cp_group.size() > 1:
             torch.distributed.all_reduce(count, group=dp_cp_group)
         return count
 
-    def tied_half_factor(self, dp_cp_group) -> float:
+    def tied_half_factor(self, dp_cp_group):
         """Stage 0 with tied embeddings: the factor for the last stage's output-layer gradient
         before it joins this stage's own, so that after the division by this stage's
         (weighted) count each half is a mean over its own tokens: the last stage has no drift,
-        so its half is divided by the plain count. 1 when the counts are not weighted."""
+        so its half is divided by the plain count. 1 when the counts are not weighted (else
+        a device tensor)."""
         if not self.weighted:
             return 1.0
-        totals = torch.tensor([float(self.group_tokens), float(self.plain_tokens)],
-                              dtype=torch.float64, device=self.device)
+        totals = torch.stack([self._as_meta(self.group_tokens), self._as_meta(self.plain_tokens)])
         if dp_cp_group is not None and dp_cp_group.size() > 1:
             torch.distributed.all_reduce(totals, group=dp_cp_group)
         self._totals = (totals[0], totals[1])
         weighted, plain = self._totals
-        return float(weighted / plain) if plain > 0 else 1.0
+        return torch.where(plain > 0, weighted / plain, 1.0)
 
     def divide_by_tokens(self, model, dp_cp_group) -> None:
-        """What stock finalize_model_grads does with num_tokens, minus the pipeline broadcast."""
+        """What stock finalize_model_grads does with num_tokens, minus the pipeline broadcast
+        (a group without tokens has no gradient: dividing by 1 leaves its zeros)."""
         count = self._totals[0] if self._totals is not None else self._count(dp_cp_group)
         self.reset()
-        if count > 0:
-            model.scale_gradients(1.0 / count)
+        model.scale_gradients(torch.where(count > 0, count.reciprocal(), 1.0))
 
     def reset(self) -> None:
         self.group_tokens = self.plain_tokens = 0
+        self.weighted = False
         self._totals = None
 
 

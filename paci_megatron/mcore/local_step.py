@@ -5,12 +5,15 @@ hook points (``features/base.py``) and nothing here asks which are on."""
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from megatron.core.optimizer import clip_grads  # looked up at the call: patches wrap it
 
 from ..autograd_versions import keep_version_counters
+from ..features.base import sub_optimizers
 from . import param_gather
 from .admission import stage_grad_stats_group
 
@@ -64,7 +67,6 @@ def take_step(rt, mb: int) -> None:
     rt.model.zero_grad_buffer()
     rt.optimizer.zero_grad()
     rt.fresh_weights = True
-    rt.forget_loss_scale()  # the scaler may have grown or backed off
     record = StepRecord(mb, bool(ok), None if grad_norm is None else float(grad_norm), lr)
     for feature in rt.features:
         feature.after_step(rt.ctx, record)
@@ -75,16 +77,21 @@ def take_step(rt, mb: int) -> None:
 def _update(rt, mb: int):
     """The optimizer step, or a skipped one. fp16: the loss scaler checks for overflow (over
     the stage's grad-stats group), skips and backs off, as stock: routine, not an error.
-    Otherwise a non-finite gradient is skipped or stops the job (--paci-on-nonfinite)."""
+    Otherwise a non-finite gradient is skipped or stops the job (--paci-on-nonfinite), told
+    by the norm Megatron's step reads anyway (``step_unless_nonfinite``)."""
     scaled = rt.meta is not None and rt.meta.fp16
-    if not scaled and not grads_are_finite(rt.model, stage_grad_stats_group(rt.optimizer)):
-        rt.skip_nonfinite_step(mb)
-        return False, float("nan")
     with contextlib.ExitStack() as stack:
         stack.enter_context(_versions_kept(rt))
         for feature in rt.features:
             stack.enter_context(feature.around_optimizer(rt.ctx))
-        ok, grad_norm, _zeros = rt.optimizer.step()
+        if scaled:
+            ok, grad_norm, _zeros = rt.optimizer.step()
+        else:
+            ok, grad_norm = step_unless_nonfinite(rt.optimizer, rt.model,
+                                                  stage_grad_stats_group(rt.optimizer))
+    if ok is None:
+        rt.skip_nonfinite_step(mb)
+        return False, float("nan")
     if rt.gathers_params and not param_gather.pre_hooks_enabled(rt.model):
         param_gather.complete_param_gather(rt.model)  # no forward pre-hook would
     if scaled and not ok:
@@ -98,6 +105,34 @@ def _versions_kept(rt):
     if not rt.state.outputs:
         return contextlib.nullcontext()
     return keep_version_counters(rt.params)
+
+
+def step_unless_nonfinite(optimizer, model, group):
+    """Megatron's optimizer step (ChainedOptimizer.step / MixedPrecisionOptimizer.step, in
+    the same order and numbers) with a gradient that holds NaN or Inf stopping it before the
+    update: (True or False, norm) stepped, (None, norm) stopped. The norm is what tells,
+    read by the host once, as the step reads it anyway for the clipping and the log, so the
+    check costs no sync of its own; only without clipping on a single optimizer, where
+    Megatron reads no norm, does it take one (``grads_are_finite``)."""
+    if optimizer.prepare_grads():  # a loss scaler's own check (bf16 with --loss-scale)
+        return False, None
+    subs = sub_optimizers(optimizer)
+    if hasattr(optimizer, "chained_optimizers") or any(s.config.clip_grad > 0 for s in subs):
+        norm = optimizer.get_grad_norm()
+        if not math.isfinite(norm):
+            return None, norm
+        for sub in subs:
+            params = sub.get_parameters()
+            if sub.config.clip_grad > 0 and params and not getattr(sub, "is_stub_optimizer",
+                                                                   False):
+                clip_grads.clip_grad_by_total_norm_fp32(
+                    params, max_norm=sub.config.clip_grad, total_norm=norm,
+                    use_decoupled_grad=sub.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+    else:
+        norm = 0.0
+        if not grads_are_finite(model, group):
+            return None, float("nan")
+    return optimizer.step_with_ready_grads(), norm
 
 
 def grads_are_finite(model, group) -> bool:

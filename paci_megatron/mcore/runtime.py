@@ -108,7 +108,6 @@ class PaciRuntime:
         self._stage_pg = None  # groups without the tied all-reduce (made once)
         self.grad_groups = self.pg
         self.meta: Optional[GradMeta] = None  # --fp16 / --calculate-per-token-loss
-        self._loss_scale: Optional[float] = None  # read once per step (a device sync on GPU)
         self.features: List[StageFeature] = []
         self.ctx = StageContext(self.stage, self.num_stages, self.drift)
         self._drift_plans: dict = {}  # planned_drift's cache
@@ -219,15 +218,11 @@ class PaciRuntime:
         with self.model.no_sync():
             yield
 
-    def loss_scale(self) -> float:
-        """This stage's current loss scale (1 without a scaler); it changes only at a step."""
-        if self._loss_scale is None:
-            scale = self.optimizer.get_loss_scale() if self.optimizer is not None else None
-            self._loss_scale = 1.0 if scale is None else float(scale)
-        return self._loss_scale
-
-    def forget_loss_scale(self) -> None:
-        self._loss_scale = None
+    def loss_scale(self):
+        """This stage's current loss scale on the device, None without a scaler (1); it
+        changes only at a step. Never read back by the host."""
+        return main_params.loss_scale_tensor(self.optimizer) if self.optimizer is not None \
+            else None
 
     def skip_nonfinite_step(self, mb: int) -> None:
         """A NaN/Inf gradient reached this stage's step: skip the update (default) or stop."""
@@ -251,7 +246,6 @@ class PaciRuntime:
         self.model, self.model_config, self.model_type = model, config, get_model_type(model)
         self.params = self.ctx.params = tuple(model.parameters())
         self.meta = grad_meta_for(config, self.optimizer)
-        self._loss_scale = None  # a --load may have brought another scale
         tied = self._tied_in_plans(model)
         self.plan = self.policy.plan(self.calls_done, num_microbatches, tied)
         admission.admit_plan(self.plan, config)
@@ -284,7 +278,6 @@ class PaciRuntime:
         ctx.features = self.features
         ctx.accumulation = self.plan.accumulation
         ctx.per_token = self.meta is not None and self.meta.per_token
-        ctx.loss_scale = self.loss_scale
         ctx.planned_drift = self.planned_drift
         self._drift_plans = {}
 

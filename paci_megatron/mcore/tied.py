@@ -199,7 +199,7 @@ class TiedEmbedding(StageFeature):
         grad = grad_of(self.weight)
         buf = torch.empty_like(grad)
         torch.distributed.irecv(buf, src=self.peer, group=self.group).wait()
-        if factor != 1.0:
+        if torch.is_tensor(factor) or factor != 1.0:  # a device tensor: never compared here
             buf.mul_(factor)
         grad.add_(buf)
 

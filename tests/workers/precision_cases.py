@@ -108,7 +108,8 @@ def case_paci_trains(out_dir, name, iters=8, a=2, n=4, **kw):
     divide = GradMeta.divide_by_tokens
 
     def recording(self, model, group):  # each step's token count, as the stage used it
-        tokens.append(self.group_tokens)
+        count = self.group_tokens  # a device tensor once counted (0 before)
+        tokens.append(float(count) if torch.is_tensor(count) else count)
         return divide(self, model, group)
 
     GradMeta.divide_by_tokens = recording
