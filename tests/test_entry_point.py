@@ -30,6 +30,11 @@ def test_main_job_trains(schedule, function):
                 "--fp16" in out) == DEFAULT_PREDICTION
         assert [row["max"] for row in summary["drift"]] == [1, 0]
         assert [row["steps"] for row in summary["drift"]] == [8, 8]
+        # the start-up exchange ran on every communicator, before the stream's first action
+        assert [row["startup_exchange"] for row in summary["drift"]] == [
+            ["pipeline", "embedding"], ["pipeline", "embedding"]]
+    else:
+        assert all("startup_exchange" not in row for row in summary.get("drift", []))
 
 
 CONVERGENCE_FLAGS = ("--paci-stale-grad-weight", "--paci-stale-grad-correction",

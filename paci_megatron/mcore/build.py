@@ -28,6 +28,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
 from ..restart import padded_vocab_size
+from .data import to_device
 
 # re-exported: a run is built from this one module
 from .distributed import (_is_gloo, destroy_distributed, init_distributed, peak_device_memory_mb,
@@ -442,11 +443,11 @@ def mock_data_iterator(spec: GPTSpec, micro_batch_size: int, seed: int = 1234) -
         for t in range(seq):
             rows[:, t + 1] = perm[rows[:, t]]
         yield {
-            "tokens": rows[:, :-1].contiguous().to(device),
-            "labels": rows[:, 1:].contiguous().to(device),
+            "tokens": to_device(rows[:, :-1].contiguous(), device),
+            "labels": to_device(rows[:, 1:].contiguous(), device),
             "loss_mask": torch.ones(micro_batch_size, seq, dtype=torch.float, device=device),
             "attention_mask": None,
-            "position_ids": position_ids.contiguous().to(device),
+            "position_ids": to_device(position_ids.contiguous(), device),
         }
 
 

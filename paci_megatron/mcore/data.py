@@ -485,7 +485,7 @@ class GPTBatches:
         self.consumed_samples += self.micro_batch_size * self.dp_size
 
         def stack(key, dtype):
-            return torch.stack([s[key] for s in samples]).to(dtype=dtype).to(self.device)
+            return to_device(torch.stack([s[key] for s in samples]).to(dtype=dtype), self.device)
 
         return {
             "tokens": stack("tokens", torch.long),
@@ -494,6 +494,14 @@ class GPTBatches:
             "attention_mask": None,
             "position_ids": stack("position_ids", torch.long),
         }
+
+
+def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
+    """A host batch on ``device`` without holding the host: from pinned memory, asynchronous
+    (a copy from pageable memory waits for the device's stream first)."""
+    if torch.device(device).type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def gpt_batches(dataset, micro_batch_size: int, start_sample: int = 0, dp_rank: int = 0,

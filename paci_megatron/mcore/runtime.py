@@ -28,7 +28,7 @@ from ..features.base import StageContext, StageFeature, sub_optimizers
 from ..plan_policy import PlanPolicy
 from ..schedule import Op, StreamPlan, check_max_drift, check_per_call
 from ..shape import closes_group, drift_bound, tied_lag
-from . import admission, main_params, param_gather
+from . import admission, main_params, param_gather, warmup
 from .grad_meta import GradMeta, grad_meta_for
 from .handlers import MegatronHandlers
 from .local_step import StepRecord
@@ -112,6 +112,7 @@ class PaciRuntime:
         self.ctx = StageContext(self.stage, self.num_stages, self.drift)
         self._drift_plans: dict = {}  # planned_drift's cache
         self._layout = None  # the weight prediction's flat state (main_params.StageLayout)
+        self._warmed: Optional[list] = None  # what the start-up exchange ran over
 
     # wiring ----------------------------------------------------------------------------------
     def bind(self, optimizer, lr_scheduler=None, lr_increment: Optional[int] = None) -> None:
@@ -248,7 +249,12 @@ class PaciRuntime:
         self.meta = grad_meta_for(config, self.optimizer)
         tied = self._tied_in_plans(model)
         self.plan = self.policy.plan(self.calls_done, num_microbatches, tied)
-        admission.admit_plan(self.plan, config)
+        if self.kind == "paci":
+            # Megatron ends each batched exchange with torch.cuda.synchronize() by default, to
+            # guard a race torch fixed in 1.13 (pytorch PR 82450): on NCCL it would also wait
+            # for a pending tied message its peer cannot yet receive (nccl_model, rule 5)
+            config.batch_p2p_sync = False
+        admission.admit_plan(self.plan, config, warmed=self.kind == "paci")
         self._use_stage_grad_stats(self.plan.kind == "paci")
         self.tied = self._tied_exchange(model) if self.plan.tied else None
         self.grad_groups = self._stage_pg if self.tied is not None else self.pg
@@ -269,6 +275,9 @@ class PaciRuntime:
             decoder_seq_length=decoder_seq_length, config=config,
             tp_group=self.pg.tp, cp_group=self.pg.cp,
         )[0]
+        if self.kind == "paci" and self._warmed is None:
+            # every communicator made before the stream's first action (warmup.py)
+            self._warmed = warmup.warm_up(self)
         model.zero_grad_buffer()
         self.optimizer.zero_grad()
 
@@ -359,7 +368,7 @@ class PaciRuntime:
                                "call drain() first")
         plan = self.policy.before_call(self, self.plan)
         if plan is not self.plan:  # --paci-accumulation-factor auto took another a
-            admission.admit_plan(plan, self.model_config)
+            admission.admit_plan(plan, self.model_config, warmed=True)
             self.plan = plan
             self._tell_features()
         store: list = []
@@ -438,6 +447,8 @@ class PaciRuntime:
                "histogram": dict(sorted(self.drift.histogram.items())),
                "steps": self.drift.version, "skipped_steps": self.skipped_steps}
         row.update(self.policy.summary(self.calls_done))
+        if self._warmed is not None:
+            row["startup_exchange"] = self._warmed
         for feature in self.user_features:
             row.update(feature.summary())
         if self.tied_histogram:  # last stage, tied embeddings: staleness of its tied copy
