@@ -81,7 +81,10 @@ def build_stage(shape):
     with as_pipeline_stage(shape["stage"], shape["stages"]):
         model = build.build_gpt_model(spec, seed=1234)[0]
         opt = build.build_optimizer([model], lr=3e-4, bf16=True, adam_beta2=0.95, weight_decay=0.1)
-    hidden = torch.randn(shape["seq"], shape["mbs"], shape["hidden"], dtype=torch.bfloat16)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    hidden = torch.randn(shape["seq"], shape["mbs"], shape["hidden"], dtype=torch.bfloat16,
+                         device=device)
 
     def forward():
         with as_pipeline_stage(shape["stage"], shape["stages"]):
