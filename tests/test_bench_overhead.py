@@ -58,10 +58,12 @@ def test_both_arms_compute_the_same_losses(report):
 def test_profile_names_paci_parts(report):
     rep, _ = report
     stock, paci = rep["profile_ms_per_iter"]["stock"], rep["profile_ms_per_iter"]["paci"]
-    for part in ("grads_are_finite", "group close (local_step: finish_grads and take_step)",
+    for part in ("local step (step_unless_nonfinite: Megatron's step in its parts)",
+                 "group close (local_step: finish_grads and take_step)",
                  "executor dispatch (StageExecutor.run)", "drift bookkeeping (DriftStats)"):
         assert paci[part] > 0 and part not in stock
-    for part in ("forward_step", "backward_step", "optimizer.step", "iteration (total)"):
+    for part in ("forward_step", "backward_step", "optimizer.step (PACI: step_with_ready_grads)",
+                 "iteration (total)"):
         assert stock[part] > 0 and paci[part] > 0
 
 

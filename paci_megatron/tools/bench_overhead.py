@@ -60,9 +60,13 @@ PROFILE_ROWS = {
     "group close (local_step: finish_grads and take_step)": [("local_step.py", "finish_grads"),
                                                              ("local_step.py", "take_step")],
     "finalize_model_grads": [("finalize_model_grads.py", "finalize_model_grads")],
-    "grads_are_finite": [("local_step.py", "grads_are_finite")],
+    "local step (step_unless_nonfinite: Megatron's step in its parts)": [
+        ("local_step.py", "step_unless_nonfinite")],
+    "grads_are_finite (only without clipping)": [("local_step.py", "grads_are_finite")],
     "version counters (keep_version_counters)": [("autograd_versions.py", "keep_version_counters")],
-    "optimizer.step": [("optimizer.py", "step")],
+    # stock calls step, which calls step_with_ready_grads; PACI calls the latter itself
+    "optimizer.step (PACI: step_with_ready_grads)": [("optimizer.py", "step"),
+                                                     ("optimizer.py", "step_with_ready_grads")],
     "LR step": [("optimizer_param_scheduler.py", "step")],
     "zero_grad_buffer": [("distributed_data_parallel.py", "zero_grad_buffer")],
     "optimizer.zero_grad": [("optimizer.py", "zero_grad")],
