@@ -126,6 +126,7 @@ class PaciConfig:
     weight_prediction: bool = False  # --paci-weight-prediction, or its default
     prediction_per_group: bool = False  # --paci-weight-prediction-schedule per-group
     prediction_overlap: bool = False  # --paci-weight-prediction-overlap
+    lookahead: float = 0.0  # --paci-lookahead C
     prediction_off: str = ""  # why the default prediction is off for this run ("": it is not)
 
     @property
@@ -182,7 +183,7 @@ def resolve(args, layout: Layout) -> PaciConfig:
         drain_before_eval=bool(args.paci_drain_before_eval), **adapt,
         stale_grad_weight=_resolved(args.paci_stale_grad_weight, _default_weight()),
         stale_grad_correction=_resolved(args.paci_stale_grad_correction, _default_strength()),
-        **_prediction(args))
+        lookahead=getattr(args, "paci_lookahead", None) or 0.0, **_prediction(args))
     check_plans(cfg, layout)
     return cfg
 

@@ -24,12 +24,13 @@ PP_ONLY = ["p2_a4", "p2_a2", "p2_bf16", "p2_distopt", "p2_drain_eval",
            "p4_a4", "p4_a1", "p4_bf16", "p4_recompute", "p4_eval_nodrain", "p4_drain_eval",
            "p4_auto", "p2_tied", "p2_tied_bf16", "p4_tied", "p4_stale", "p4_tied_stale",
            "p4_correct", "p4_tied_correct", "p4_bf16_predict", "p4_tied_bf16",
-           "p4_tied_bf16_predict", "p4_bf16_predict_group", "p4_bf16_predict_overlap"]
+           "p4_tied_bf16_predict", "p4_bf16_predict_group", "p4_bf16_predict_overlap",
+           "p4_tied_bf16_lookahead"]
 # 2 emulator processes, 4 runtime ones
 PARALLEL = ["p2_dp2", "p2_dp2_distopt", "p2_tp2", "p2_dp2_tied", "p2_dp2_stale",
             "p2_dp2_distopt_correct", "p2_dp2_tied_bf16_predict", "p2_dp2_distopt_bf16",
             "p2_dp2_distopt_bf16_predict", "p2_tp2_bf16_predict",
-            "p2_dp2_distopt_bf16_predict_group"]
+            "p2_dp2_distopt_bf16_predict_group", "p2_dp2_distopt_bf16_lookahead"]
 # a loss scaler per stage; per-token loss
 PRECISION = ["p2_fp16", "p2_per_token", "p2_per_token_stale", "p2_fp16_correct",
              "p2_tied_per_token_stale", "p2_fp16_predict", "p2_fp16_predict_group"]
@@ -321,3 +322,25 @@ def test_per_group_prediction_moves_once_a_group_until_the_step(case, results):
         assert len(row["true_after_step"]) == len(row["steps"]) and all(row["true_after_step"])
         if stage < cfg["pp"] - 1:
             assert row["steps"] != per_forward[coord]["steps"]
+
+
+@pytest.mark.parametrize("case,twin", [("p4_tied_bf16_lookahead", "p4_tied_bf16"),
+                                       ("p2_dp2_distopt_bf16_lookahead", "p2_dp2_distopt_bf16")])
+def test_lookahead_moves_the_stale_stages_and_evaluates_on_the_true_weights(case, twin, results):
+    """--paci-lookahead (the runtime equals the emulator above). Against the same run without
+    it: every stage's first step takes the twin's gradient (nothing looked ahead before it);
+    on stages with drift the weights after it are the look-ahead (they differ from the
+    twin's) and the next group's gradient differs; the last stage never looks ahead, so its
+    first step is the twin's entirely. Every evaluation ran on the true weights and left the
+    look-ahead as it was."""
+    real, plain = results(case, "runtime"), results(twin, "runtime")
+    cfg = real["pp0tp0dp0"]["config"]
+    for coord, row in real.items():
+        assert len(row["evaluated"]) == 2 * len(cfg["eval_after"] or ()) and all(row["evaluated"])
+        steps, twin_steps = row["steps"], plain[coord]["steps"]
+        assert steps[0]["grad_norm"] == twin_steps[0]["grad_norm"]
+        if coord.startswith(f"pp{cfg['pp'] - 1}"):
+            assert steps[0] == twin_steps[0]
+        else:
+            assert steps[0]["weights"] != twin_steps[0]["weights"]
+            assert steps[1]["grad_norm"] != twin_steps[1]["grad_norm"]

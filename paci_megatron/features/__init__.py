@@ -9,11 +9,12 @@ from __future__ import annotations
 from typing import List
 
 from .base import StageContext, StageFeature
+from .lookahead import Lookahead
 from .stale_correction import StaleGradCorrection
 from .stale_weights import StaleGradWeights
 from .weight_prediction import WeightPrediction
 
-FEATURES = (StaleGradWeights, StaleGradCorrection, WeightPrediction)
+FEATURES = (StaleGradWeights, StaleGradCorrection, WeightPrediction, Lookahead)
 
 
 def build_features(cfg) -> List[StageFeature]:
@@ -21,5 +22,5 @@ def build_features(cfg) -> List[StageFeature]:
     return [f for f in (cls.from_config(cfg) for cls in FEATURES) if f is not None]
 
 
-__all__ = ["FEATURES", "StageContext", "StageFeature", "StaleGradCorrection", "StaleGradWeights",
-           "WeightPrediction", "build_features"]
+__all__ = ["FEATURES", "Lookahead", "StageContext", "StageFeature", "StaleGradCorrection",
+           "StaleGradWeights", "WeightPrediction", "build_features"]

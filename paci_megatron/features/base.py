@@ -70,7 +70,8 @@ class StageFeature:
       before the tied output-layer gradient joins);
     - ``before_step``, ``around_optimizer`` (entered only when the optimizer is called),
       ``after_step``: around the local step;
-    - ``on_drain``: the stream stops at a group boundary;
+    - ``on_drain``: the stream stops at a group boundary; ``evaluating``: around an
+      evaluation between two training calls;
     - ``describe`` (the start-up line) and ``summary`` (the stage's report).
     """
 
@@ -123,3 +124,7 @@ class StageFeature:
 
     def on_drain(self, ctx: StageContext) -> None:
         pass
+
+    def evaluating(self, ctx: StageContext) -> ContextManager:
+        """Entered around an evaluation (a forward-only call between two training calls)."""
+        return contextlib.nullcontext()

@@ -82,6 +82,9 @@ def unsupported(args) -> str:
                 "ahead are not known when it runs; give a fixed factor")
     if getattr(args, "optimizer", "adam") not in ("adam", "sgd"):
         return f"predicts Adam's and SGD's steps only, not --optimizer {args.optimizer}"
+    if getattr(args, "paci_lookahead", None):
+        return ("does not combine with --paci-lookahead: both move the weights ahead; "
+                "choose one")
     beside = [name for name, dest, off in (
         ("--paci-stale-grad-weight", "paci_stale_grad_weight", 1.0),
         ("--paci-stale-grad-correction", "paci_stale_grad_correction", 0.0))

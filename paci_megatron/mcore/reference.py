@@ -147,6 +147,7 @@ class _Stage:
     predicted: Dict[int, int] = field(default_factory=dict)  # steps ahead -> forwards
     layout: Any = None  # --paci-weight-prediction: the stage's flat state (main_params)
     group_moved: bool = False  # per-group: the weights are predicted until the step
+    looking_ahead: bool = False  # --paci-lookahead: the model weights are ahead of the main
 
 
 class TiedState:
@@ -191,12 +192,14 @@ class PipelineEmulator:
                  kind: str = "paci", lr_increment: Optional[int] = None,
                  forward_step_func: Callable = build.gpt_forward_step,
                  stale_grad_weight: float = 1.0, stale_grad_correction: float = 0.0,
-                 weight_prediction: bool = False, prediction_per_group: bool = False):
+                 weight_prediction: bool = False, prediction_per_group: bool = False,
+                 lookahead: float = 0.0):
         self.num_stages, self.accumulation, self.kind = num_stages, accumulation, kind
         self.stale_grad_weight = stale_grad_weight  # --paci-stale-grad-weight W
         self.stale_grad_correction = stale_grad_correction  # --paci-stale-grad-correction K
         self.weight_prediction = weight_prediction  # --paci-weight-prediction
         self.per_group = prediction_per_group  # --paci-weight-prediction-schedule per-group
+        self.lookahead = lookahead  # --paci-lookahead C
         self.micro_batch_size, self.seq_length = micro_batch_size, seq_length
         self.forward_step_func = forward_step_func
         dp = parallel_state.get_data_parallel_world_size()
@@ -273,11 +276,7 @@ class PipelineEmulator:
         gradients of the group's backwards so far (not for per-token loss: token sums).
         False: nothing to predict from, nothing moved."""
         model, optimizer = stage.parts.model, stage.parts.optimizer
-        if stage.layout is None:
-            partial = [self.tied.owner] if self.tied is not None and stage.index == 0 else []
-            stage.layout = main_params.StageLayout(
-                model, optimizer, partial=partial,
-                tp_group=parallel_state.get_tensor_model_parallel_group())
+        self._layout(stage)
         done = len(stage.step_drifts)
         per_token = get_model_config(model).calculate_per_token_loss
         factor = None if per_token or not done else grad_factor(self.accumulation, done)
@@ -293,6 +292,34 @@ class PipelineEmulator:
         if moved:
             stage.predicted[steps] = stage.predicted.get(steps, 0) + 1
         return moved
+
+    def _layout(self, stage: _Stage):
+        """The stage's flat state for the prediction and the look-ahead (made once)."""
+        if stage.layout is None:
+            partial = [self.tied.owner] if self.tied is not None and stage.index == 0 else []
+            stage.layout = main_params.StageLayout(
+                stage.parts.model, stage.parts.optimizer, partial=partial,
+                tp_group=parallel_state.get_tensor_model_parallel_group())
+        return stage.layout
+
+    def _look_ahead(self, stage: _Stage) -> None:
+        """--paci-lookahead C: after a step, the model weights C x (P-1-s)/a steps along the
+        moments' update (nothing before the stage's first update, nothing on the last)."""
+        steps = self.lookahead * (self.num_stages - 1 - stage.index) / self.accumulation
+        layout = self._layout(stage)
+        if not steps or not any(layout.step_count(k.inner) for k in layout.stage_pass.klasses):
+            return
+        with keep_version_counters(list(stage.parts.model.parameters())):
+            if predict_ahead(layout, steps, None, lambda group, n: n * group["lr"]):
+                gather_weights(stage.parts.optimizer)
+                stage.looking_ahead = True
+
+    def _true_weights(self, stage: _Stage) -> None:
+        if stage.looking_ahead:
+            with keep_version_counters(list(stage.parts.model.parameters())):
+                stage.layout.stage_pass.restore()
+                gather_weights(stage.parts.optimizer)
+            stage.looking_ahead = False
 
     def _send_f(self, stage: _Stage, mb: int) -> None:
         out = stage.outputs[mb]
@@ -424,6 +451,9 @@ class PipelineEmulator:
             scheduler.step(increment=self.lr_increment)
         model.zero_grad_buffer()
         optimizer.zero_grad()
+        if self.lookahead and ok:  # the step wrote the true weights: ahead again, next LR
+            stage.looking_ahead = False
+            self._look_ahead(stage)
         stage.version += 1
         stage.fresh_weights = True
         lr = optimizer.param_groups[0]["lr"] if scheduler is not None else None
@@ -483,6 +513,8 @@ class PipelineEmulator:
             for stage in self.stages:
                 stage.parts.model.zero_grad_buffer()
                 stage.parts.optimizer.zero_grad()
+                if self.lookahead and self.kind == "paci":
+                    self._look_ahead(stage)
         elif num_microbatches != self.plan.per_call:
             raise ValueError("the number of micro-batches changed while micro-batches are in "
                              "flight; drain() first")
@@ -499,6 +531,7 @@ class PipelineEmulator:
         dropped = len(self.stages[0].fwd_version)
         self.consumed += self.call_index * self.plan.per_call
         for stage in self.stages:
+            self._true_weights(stage)
             stage.fwd_version.clear()
             stage.inputs.clear()
             stage.outputs.clear()

@@ -344,9 +344,12 @@ class PaciRuntime:
         if isinstance(data_iterator, list):
             data_iterator = data_iterator[0]
         if forward_only:
-            tied = self.tied.current_weight() if self.tied is not None \
-                else contextlib.nullcontext()
-            with tied:
+            with contextlib.ExitStack() as stack:
+                if self.tied is not None:
+                    stack.enter_context(self.tied.current_weight())
+                if self.plan is not None:  # the features' true weights (a look-ahead's)
+                    for feature in self.user_features:
+                        stack.enter_context(feature.evaluating(self.ctx))
                 return STOCK_GET_FORWARD_BACKWARD_FUNC()(
                     forward_step_func=forward_step_func, data_iterator=data_iterator,
                     model=[model], num_microbatches=num_microbatches, seq_length=seq_length,

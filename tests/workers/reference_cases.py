@@ -19,8 +19,8 @@ from typing import Dict, List
 import torch
 
 from paci_megatron.adapt import Adaptive, candidates
-from paci_megatron.features import (StaleGradCorrection, StaleGradWeights, StageFeature,
-                                    WeightPrediction)
+from paci_megatron.features import (Lookahead, StaleGradCorrection, StaleGradWeights,
+                                    StageFeature, WeightPrediction)
 from paci_megatron.mcore import build
 from paci_megatron.mcore.handlers import MegatronHandlers
 from paci_megatron.mcore.reference import PipelineEmulator, StageParts, weights_sha256
@@ -40,7 +40,7 @@ BASE = dict(tp=1, dp=1, a=4, n=4, calls=5, dropout=0.0, bf16=False, recompute=Fa
             dist_opt=False, clip=0.3, layers=4, drain_after=None, eval_after=None,
             audit=False, factors=None, tied=False,
             fp16=False, per_token=False, stale_weight=1.0, correction=0.0, predict=False,
-            predict_group=False, overlap=False)
+            predict_group=False, overlap=False, lookahead=0.0)
 CASES: Dict[str, Dict] = {
     "p2_a4": dict(pp=2, dropout=0.1),
     "p2_a2": dict(pp=2, a=2, n=8, calls=4),
@@ -117,6 +117,12 @@ CASES: Dict[str, Dict] = {
                                   predict_group=True),
     "p2_dp2_distopt_bf16_predict_group": dict(pp=2, dp=2, a=2, dist_opt=True, bf16=True,
                                               dropout=0.1, predict=True, predict_group=True),
+    # --paci-lookahead: the model weights ahead after each step (a drain and evaluations put
+    # the true ones back, the look-ahead returns); with the distributed optimizer: shards
+    "p4_tied_bf16_lookahead": dict(pp=4, a=2, calls=6, tied=True, bf16=True, drain_after=(3,),
+                                   eval_after=(2, 4), lookahead=1.0),
+    "p2_dp2_distopt_bf16_lookahead": dict(pp=2, dp=2, a=2, dist_opt=True, bf16=True,
+                                          dropout=0.1, lookahead=2.0),
     # the distributed optimizer: each rank predicts its shard, an all-gather completes it
     "p2_dp2_distopt_bf16": dict(pp=2, dp=2, a=2, dist_opt=True, bf16=True, dropout=0.1),
     "p2_dp2_distopt_bf16_predict": dict(pp=2, dp=2, a=2, dist_opt=True, bf16=True, dropout=0.1,
@@ -171,12 +177,39 @@ def _loss_hex(store) -> List[str]:
     return [_hex(x) for d in store for x in torch.as_tensor(d["lm loss"]).view(-1).tolist()]
 
 
-def evaluate(fb, model, spec, data, n) -> None:
-    """A stock forward-only pass between two training calls (what evaluation does)."""
+def evaluate(fb, model, spec, data, n, inside=None) -> None:
+    """A stock forward-only pass between two training calls (what evaluation does);
+    ``inside()`` runs at its first forward."""
+    def forward_step(data_iterator, model_chunk):
+        if inside is not None and not seen:
+            seen.append(inside())
+        return build.gpt_forward_step(data_iterator, model_chunk)
+
+    seen = []
     model.eval()
-    fb(forward_step_func=build.gpt_forward_step, data_iterator=data, model=[model],
+    fb(forward_step_func=forward_step, data_iterator=data, model=[model],
        num_microbatches=n, seq_length=spec.seq_length, micro_batch_size=MBS, forward_only=True)
     model.train()
+
+
+def _true(features, params=None) -> bool:
+    """Every model weight (of ``params``; default all) is its fp32 main copy's cast (no
+    look-ahead or prediction on)."""
+    for feature in features:
+        layout = getattr(feature, "layout", None)
+        if layout is not None:
+            pieces = layout.stage_pass.pieces if params is None else layout.pieces_of(params)
+            return all(p.target.equal(p.main.to(p.target.dtype)) for p in pieces)
+    return True
+
+
+def _untied(model, stage, cfg) -> list:
+    """The weights an evaluation runs as the stage's own: all but the last stage's tied
+    copy, which an evaluation without drain swaps for stage 0's current weight (tied.py)."""
+    params = list(model.parameters())
+    if cfg["tied"] and cfg["pp"] > 1 and stage == cfg["pp"] - 1:
+        params = [p for p in params if not getattr(p, "shared_embedding", False)]
+    return params
 
 
 def run_runtime(case: str, out_dir: str) -> None:
@@ -187,13 +220,15 @@ def run_runtime(case: str, out_dir: str) -> None:
                         tolerance=0.0, policy="cycle") if cfg["factors"] else None
     features = ([StaleGradWeights(cfg["stale_weight"])] if cfg["stale_weight"] != 1.0 else []) \
         + ([StaleGradCorrection(cfg["correction"])] if cfg["correction"] else []) \
-        + ([WeightPrediction(cfg["predict_group"], cfg["overlap"])] if cfg["predict"] else [])
+        + ([WeightPrediction(cfg["predict_group"], cfg["overlap"])] if cfg["predict"] else []) \
+        + ([Lookahead(cfg["lookahead"])] if cfg["lookahead"] else [])
     rt = PaciRuntime(kind="paci", accumulation=cfg["a"], features=features,
                      policy=AdaptivePlan(cfg["pp"], adaptive) if adaptive else None)
     rt.bind(parts.optimizer, parts.lr_scheduler, lr_increment=cfg["a"] * MBS * info["dp_size"])
     steps: List[Dict] = []
 
     restores: List[bool] = []
+    evaluated: List[bool] = []  # per evaluation: true weights inside, the weights back after
     moves: List[Dict] = []  # per predicted forward: did the weights move, from what
     true_after_step: List[bool] = []  # the weights are the main copies' cast after each step
 
@@ -239,7 +274,10 @@ def run_runtime(case: str, out_dir: str) -> None:
         if cfg["drain_after"] and call + 1 in cfg["drain_after"]:
             rt.drain()
         if cfg["eval_after"] and call + 1 in cfg["eval_after"]:
-            evaluate(rt.forward_backward, parts.model, spec_of(cfg), eval_data, cfg["n"])
+            before = weights_sha256([parts.model])
+            evaluate(rt.forward_backward, parts.model, spec_of(cfg), eval_data, cfg["n"],
+                     lambda: evaluated.append(_true(features, _untied(parts.model, info["pp_rank"], cfg))))
+            evaluated.append(weights_sha256([parts.model]) == before)
     if adaptive is not None:
         assert tuple(adaptive.factors) == tuple(cfg["factors"]), adaptive.factors
     rt.drain()  # as at the end of training: the last stage's tied copy catches up
@@ -250,7 +288,7 @@ def run_runtime(case: str, out_dir: str) -> None:
         tied_histogram={str(k): v for k, v in sorted(rt.tied_histogram.items())},
         predicted={str(k): v for k, v in sorted(features[-1].predicted.items())}
         if cfg["predict"] else {}, restores=restores, moves=moves,
-        true_after_step=true_after_step))
+        true_after_step=true_after_step, evaluated=evaluated))
 
 
 def run_emulator(case: str, out_dir: str) -> None:
@@ -261,7 +299,8 @@ def run_emulator(case: str, out_dir: str) -> None:
                            stale_grad_weight=cfg["stale_weight"],
                            stale_grad_correction=cfg["correction"],
                            weight_prediction=cfg["predict"],
-                           prediction_per_group=cfg["predict_group"])
+                           prediction_per_group=cfg["predict_group"],
+                           lookahead=cfg["lookahead"])
     audits = {s: audit_backward(emu, s) for s in range(cfg["pp"])} if cfg["audit"] else {}
     losses: List[str] = []
     for call in range(cfg["calls"]):

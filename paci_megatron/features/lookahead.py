@@ -1,0 +1,158 @@
+"""--paci-lookahead C: the stage's model weights run C x d_s steps ahead of its true weights.
+
+A stale micro-batch at stage s ran its forward on weights about d_s local steps older than
+the ones its backward meets (d_s = (P-1-s)/a, the stage's planned mean drift). Forward weight
+prediction moves the weights before each stale forward and back after it: a pass a stale
+forward. The look-ahead moves them once a step instead: right after each local step (which
+Megatron ends by writing the bf16/fp16 model weights from the fp32 main copies), the model
+weights become
+
+    main x (1 - c lr wd) - c lr m / (sqrt(v) + eps)     (Adam, bias-corrected; c = C x d_s)
+
+the moments' update direction c steps on (SGD: its momentum buffer), the same pass as the
+prediction's without a gradient (``prediction_pass.py``). Every forward and backward of the
+stage, fresh or stale, runs on them until the next step; the main copies, the optimizer's
+state, the distributed optimizer's shards and the checkpoints keep the true weights (a drain
+and an evaluation put them back, and the look-ahead returns after). Nothing per forward;
+one pass per step (and, with the distributed optimizer, one all-gather). fp32 is refused: the
+model weights are the optimizer's own there.
+
+Related: Nesterov's look-ahead; Kosson et al. 2021 (arXiv 2003.11666), "spike compensation"
+and linear weight prediction for asynchronous pipelines. What it gains: the study in
+benchmarks (issue 31).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Optional
+
+from ..flag import ConfigError, Flag
+from .base import StageContext, StageFeature
+from .timer import SpanTimer
+
+LOOKAHEAD_FLAG = Flag(
+    "--paci-lookahead", type=float, metavar="C", neutral=0.0,
+    help="after each local step, run the stage's model weights C x d_s steps ahead of the "
+         "optimizer's true weights along its moments' update (d_s = (P-1-s)/a, the stage's "
+         "planned mean drift; the main copies and checkpoints stay true): one pass a step, "
+         "nothing per forward. Needs --bf16 or --fp16; not with --paci-weight-prediction "
+         "(default 0: off)")
+
+
+def check_strength(strength: float) -> None:
+    if not 0.0 <= strength < float("inf") or math.isnan(strength):
+        raise ConfigError(f"--paci-lookahead {strength:g} must be a finite number >= 0 "
+                          "(0: off)")
+
+
+def mean_drift(num_stages: int, stage: int, accumulation: int) -> float:
+    """The stage's planned mean drift: (P-1-s)/a (never above the bound ceil of it)."""
+    return (num_stages - 1 - stage) / accumulation
+
+
+class Lookahead(StageFeature):
+    """Writes the look-ahead weights after each step; puts the true ones back for a drain
+    and an evaluation."""
+
+    name = "lookahead"
+    FLAGS = (LOOKAHEAD_FLAG,)
+
+    def __init__(self, strength: float):
+        check_strength(strength)
+        self.strength = strength
+        self.layout = None
+        self.ahead = False  # the model weights hold the look-ahead now
+        self.time = SpanTimer()  # one pass a step: the step's extra cost
+        self.forward_time = SpanTimer()  # the stage's forwards, to state that cost in them
+
+    @staticmethod
+    def check(args, layout) -> None:
+        strength = getattr(args, LOOKAHEAD_FLAG.dest, None)
+        if not strength:
+            return
+        check_strength(strength)
+        if not (getattr(args, "bf16", False) or getattr(args, "fp16", False)):
+            raise ConfigError(f"--paci-lookahead {strength:g} needs --bf16 or --fp16: the "
+                              "true weights live in the optimizer's fp32 main copy, which "
+                              "fp32 training does not keep")
+        if getattr(args, "paci_weight_prediction", None):
+            raise ConfigError(f"--paci-lookahead {strength:g} and --paci-weight-prediction "
+                              "both move the weights ahead: choose one")
+
+    @classmethod
+    def from_config(cls, cfg) -> Optional["Lookahead"]:
+        return cls(cfg.lookahead) if cfg.lookahead else None
+
+    def describe(self) -> str:
+        return f"look-ahead weights, C={self.strength:g}"
+
+    def summary(self) -> dict:
+        ms, forward = self.time.mean_ms(), self.forward_time.mean_ms()
+        if ms is None or forward is None:
+            return {}
+        return {"lookahead_ms": round(ms, 3), "forward_ms": round(forward, 3)}
+
+    def before_forward(self, ctx: StageContext, mb: int) -> None:
+        self.forward_time.start()
+
+    def after_forward(self, ctx: StageContext, mb: int) -> None:
+        self.forward_time.stop()
+
+    def on_bind(self, ctx: StageContext) -> None:
+        ctx.check_prediction()
+
+    def on_start(self, ctx: StageContext) -> None:
+        self.layout = ctx.prediction_layout()
+        self.time.cuda = self.forward_time.cuda = self.layout.stage_pass.device.type == "cuda"
+        self._look_ahead(ctx)
+
+    def after_step(self, ctx: StageContext, record) -> None:
+        self.layout.on_step(record.update_successful)
+        if record.update_successful:  # the step wrote the true weights: look ahead again
+            self.ahead = False
+            self._look_ahead(ctx)
+
+    def on_drain(self, ctx: StageContext) -> None:
+        self._true_weights(ctx)
+
+    @contextlib.contextmanager
+    def evaluating(self, ctx: StageContext):
+        was_ahead = self.ahead
+        self._true_weights(ctx)
+        try:
+            yield
+        finally:
+            if was_ahead:
+                self._look_ahead(ctx)
+
+    def steps_ahead(self, ctx: StageContext) -> float:
+        return self.strength * mean_drift(ctx.num_stages, ctx.stage, ctx.accumulation)
+
+    def _look_ahead(self, ctx: StageContext) -> None:
+        from .weight_prediction import _versions_kept, predict_ahead
+
+        steps = self.steps_ahead(ctx)
+        sp = self.layout.stage_pass
+        if not steps or not any(self.layout.step_count(k.inner) for k in sp.klasses):
+            return  # the last stage, or no moments yet
+        self.time.start()
+        with _versions_kept(ctx.params):
+            moved = predict_ahead(self.layout, steps, None, lambda group, n: n * group["lr"])
+            if moved:
+                ctx.gather_weights()
+        self.time.stop()
+        if moved:
+            self.ahead = ctx.weights_moved = True
+
+    def _true_weights(self, ctx: StageContext) -> None:
+        if not self.ahead:
+            return
+        from .weight_prediction import _versions_kept
+
+        with _versions_kept(ctx.params):
+            self.layout.stage_pass.restore()
+            ctx.gather_weights()
+        self.ahead = False
+        ctx.weights_moved = True
