@@ -180,10 +180,14 @@ def final_record(job, summary: Dict, validation: Optional[float]) -> Dict:
     """The last metrics record: per stage, drift, skipped steps and peak memory."""
     memory, drift = summary["memory"], summary.get("drift", [])
     tied = [r.get("tied") for r in drift]
-    timed = any("predict_ms" in r for r in drift)  # weight prediction, timed where it ran
+    # a method's own cost, per stage, beside the forward it is stated in: the weight
+    # prediction's move + restore per predicted forward, the look-ahead's pass per step
+    costs = {key: [r.get(key) for r in drift] for key in ("predict_ms", "lookahead_ms")
+             if any(key in r for r in drift)}
+    if costs:
+        costs["method_forward_ms"] = [r.get("forward_ms") for r in drift]
     return {**({"tied_max_staleness": [t and t["max"] for t in tied]} if any(tied) else {}),
-            **({"predict_ms": [r.get("predict_ms") for r in drift],
-                "predicted_forward_ms": [r.get("forward_ms") for r in drift]} if timed else {}),
+            **costs,
             "final": True, "iteration": job.iteration, "consumed_samples": job.consumed,
             "validation_loss": validation, "wall_s": time.perf_counter() - job.started,
             "max_drift": [r["max"] for r in drift],

@@ -70,16 +70,21 @@ def test_compare_reports_time_to_accuracy_over_seeds(compared):
     assert runs["1f1b"]["projected s/iteration"] == "0.027"
     assert runs[NAME]["projected throughput vs 1f1b"] == "1.125"
 
-    _, tta = _rows(lines, "projected TTA speed-up")
+    costed = "speed-up vs 1f1b, with its cost"
+    _, tta = _rows(lines, costed)
     targets = {(r["run"], r["target"]): r for r in tta}
     assert {t for _, t in targets} == {"1f1b final", "1f1b mid-run", "1f1b at 75%",
                                        "1f1b at 90%"}
     for target in ("1f1b final", "1f1b mid-run"):
-        assert targets[("1f1b", target)]["projected TTA speed-up vs 1f1b"] == "1.000 ± 0.000"
+        assert targets[("1f1b", target)][costed] == "1.000 ± 0.000"
+        assert targets[("1f1b", target)]["the same, gpt2-medium costs"] == "1.000 ± 0.000"
     mid = targets[(NAME, "1f1b mid-run")]
-    assert mid["projected TTA speed-up vs 1f1b"] != "not reached"
-    assert f"{NAME}: projected time-to-accuracy speed-up vs 1f1b to 1f1b mid-run" in stdout
-    assert "(projected throughput ratio 1.125)" in stdout
+    assert mid[costed] != "not reached"
+    assert mid["the same, its cost left out"] == "(no cost)"  # plain PACI: none of its own
+    assert (f"{NAME}: projected time-to-accuracy speed-up vs 1f1b to 1f1b mid-run") in stdout
+    assert "(projected throughput ratio with its cost 1.125)" in stdout
+    assert "No run's method has a cost of its own. GPU costs by arithmetic: gpt2-medium" \
+        in stdout
     for png in ("loss_vs_samples.png", "loss_vs_wall.png", "loss_vs_projected.png"):
         assert (out / png).stat().st_size > 5000
     assert f"peak activation memory {NAME}/1f1b per stage: 1.000 1.000" in stdout

@@ -39,15 +39,20 @@ def test_the_projection_uses_the_measured_costs(measured):
             f"{costs['backward_ms']:.3f} ms, step {costs['step_ms']:.3f} ms, a predicted "
             f"forward {costs['predict_ms']:.3f} ms more") in stdout
     # P=2, M=8, a=8: the simulator's PACI pace with exactly these costs, stage 0's one stale
-    # forward in every 8 paying for its prediction
+    # forward in every 8 paying for its prediction at the run's own measured cost (its move +
+    # restore over its forward, stage 0's: the last stage predicts nothing)
+    final = [json.loads(l) for l in (out / "paci.jsonl").read_text().splitlines()][-1]
+    own = final["predict_ms"][0] / final["method_forward_ms"][0]
     timed = Costs(costs["forward_ms"] / 1e3, costs["backward_ms"] / 1e3,
-                  costs["step_ms"] / 1e3, predict=costs["predict_ms"] / 1e3)
+                  costs["step_ms"] / 1e3, predict=own * costs["forward_ms"] / 1e3)
     _, paci = tta.seconds_per_iteration(tta.RunShape("paci", 2, 8, 8, predicts=True), timed)
     assert paci > tta.seconds_per_iteration(tta.RunShape("paci", 2, 8, 8), timed)[1]
     report = (out / "report.md").read_text()
     row = next(l for l in report.splitlines() if l.startswith("| paci |"))
     assert row.split("|")[7].strip() == f"{paci:.4g}"
     assert "measured on the real model (median of 8; a one-stage model of 2 layers" in report
+    assert (f"paci: {own:.3g} forwards a predicted forward, 0 a step on this machine (its "
+            "run's timing)") in report
 
 
 def test_the_report_says_what_the_prediction_cost_in_the_run(measured):
@@ -55,7 +60,7 @@ def test_the_report_says_what_the_prediction_cost_in_the_run(measured):
     none), as its final metrics record carries it, in forwards of the same stage."""
     out, stdout = measured
     final = [json.loads(l) for l in (out / "paci.jsonl").read_text().splitlines()][-1]
-    (predict, none), (forward, _) = final["predict_ms"], final["predicted_forward_ms"]
+    (predict, none), (forward, _) = final["predict_ms"], final["method_forward_ms"]
     assert predict > 0 and forward > 0 and none is None
     line = ("Weight prediction's cost as the runs timed it: move + restore of a predicted "
             "forward, in forwards of the same stage, per stage")

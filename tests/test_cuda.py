@@ -109,7 +109,7 @@ def test_paci_peak_cuda_memory_per_stage_is_1f1b_s(one_gpu, P):
 
 def test_span_timer_reads_cuda_events_once_the_device_passes_them():
     from paci_megatron.features.timer import SpanTimer
-    timer = SpanTimer(cuda=True)
+    timer = SpanTimer(cuda=True, skip=0)
     x = torch.randn(2048, 2048, device="cuda")
     timer.start()
     for _ in range(8):

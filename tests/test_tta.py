@@ -3,7 +3,7 @@ the compare report built from synthetic metrics records (no training launched)."
 
 import pytest
 
-from paci_megatron.tools import compare, tta
+from paci_megatron.tools import compare, compare_report, tta
 from paci_megatron.simulate import Costs
 
 COSTS = Costs(1.0, 2.0, 0.0)  # tf : tb = 1 : 2, free steps
@@ -126,10 +126,11 @@ def test_equal_curves_give_the_projected_throughput_ratio_as_tta_speed_up():
         assert rows[("paci", label)]["speedup"] == pytest.approx([33 / 24] * 2, rel=1e-12)
         assert rows[("1f1b", label)]["speedup"] == [1.0, 1.0]
     hit = rows[("paci", "4.5")]["hits"][0]  # 5.0 at iteration 2, 4.0 at 4: iteration 3
-    assert hit == pytest.approx((48.0, 3.0, 1.5, 3 * 24.0))
+    assert hit[:4] == pytest.approx((48.0, 3.0, 1.5, 3 * 24.0))
+    assert hit[5] == hit[3]  # plain PACI has no cost of its own
     text = compare.tta_table(list(rows.values()), "1f1b")
     assert "| paci | 1f1b final | 2.5500 ± 0.0707 |" in text
-    assert text.count("| 1.375 ± 0.000 |") == 5
+    assert text.count("| 1.375 ± 0.000 |") == 5 and text.count("(no cost)") == 10
     main = compare.report_table(runs, "1f1b")
     assert "| paci | 2 | 2.5500 ± 0.0707 |" in main and "| 24 | 1.375 |" in main
 
@@ -226,7 +227,7 @@ def test_time_to_the_75_90_100_targets_against_1f1b_and_interleaved():
         assert all(x < 33 / 24 for x in lag)
     assert rows[("paci-lag", "1f1b final")]["speedup"] == []  # never gets there
     text = compare.tta_table(list(rows.values()), "1f1b")
-    assert "projected TTA speed-up vs interleaved" in text and "| 1.188 ± 0.000 |" in text
+    assert "vs interleaved, with its cost" in text and "| 1.188 ± 0.000 |" in text
     shapes["interleaved"] = tta.RunShape("interleaved", 4, 8, 8, virtual_chunks=2)
     measured = _runs({"1f1b": seeds, "paci": seeds, "interleaved": lagging}, shapes)
     rows = compare.time_to_accuracy(measured, "1f1b", targets[1:2], COSTS)
@@ -262,3 +263,73 @@ def test_budget_comparison_gives_no_credit_for_the_longer_cosine_alone():
     text = compare.budget_table(list(rows.values()), "1f1b", "1f1b-long")
     assert "| paci-long | 3.2000 ± 0.1414 | 3.6000 ± 0.1414 | 3.1000 ± 0.1414 | 0.00 ± 0.00 % | " \
         "1.375 ± 0.000 |" in text
+
+
+def _final(records_, **extra):
+    records_[-1].update(extra)
+    return records_
+
+
+@pytest.mark.parametrize("method,extra,cpu_pace", [
+    # prediction at 0.5 forwards each: stage 0 predicts its 3 forwards in flight (P-1)
+    (dict(predicts=True), dict(predict_ms=[0.5, 0.5, 0.5, None]), 24 + 0.5 * 3),
+    # once a group: each stage's first stale forward alone; in the lists that is the same
+    # micro-batch on stages 0-2, so the three moves still fall on one path
+    (dict(predicts=True, predicts_per_group=True), dict(predict_ms=[0.5, 0.5, 0.5, None]),
+     24 + 0.5 * 3),
+    # the look-ahead: 0.25 forwards a step, one step an iteration at a = M = 8
+    (dict(looks_ahead=True), dict(lookahead_ms=[0.25, 0.25, 0.25, None]), 24 + 0.25),
+])
+def test_the_costed_projection_on_synthetic_curves(method, extra, cpu_pace):
+    """Equal curves: each speed-up is the pace ratio. With the run's own timed cost (in
+    forwards: 1 ms forwards here) on this machine's 1 : 2 : 0 costs; on the GPU by hand:
+    gpt2-medium at P=4 is 6 layers a stage, a forward 6 x 4096 x (24 x 1024^2 + 4 x 1024^2)
+    flops at 396 TFLOP/s, a step 30 B x 6 x (12 x 1024^2 + 13 x 1024) at 4 TB/s, the
+    prediction 24 B (18 once a group) and the look-ahead 14 B a parameter of the stage."""
+    base_shape, shape = tta.RunShape("1f1b", 4, 8, 8), tta.RunShape("paci", 4, 8, 8, **method)
+    values = [5.0, 4.0, 3.0, 2.5]
+    timed = dict(extra, method_forward_ms=[1.0, 1.0, 1.0, None])
+    runs = {"1f1b": [compare.summarize("1f1b", records(values), base_shape, COSTS)],
+            "m": [compare.summarize("m", _final(records(values), **timed), shape, COSTS)]}
+    rows = {r["run"]: r for r in compare.time_to_accuracy(runs, "1f1b", [("t", [3.0])])}
+    row = rows["m"]
+    assert row["speedup"] == pytest.approx([33 / cpu_pace], rel=1e-12)
+    assert row["speedup_cost_left_out"] == pytest.approx([33 / 24], rel=1e-12)
+    forward = 6 * 4096 * (24 * 1024 ** 2 + 4 * 1024 ** 2) / 396e12
+    params = 6 * (12 * 1024 ** 2 + 13 * 1024)
+    step = 30 * params / 4e12
+    if method.get("looks_ahead"):
+        gpu_pace = 24 * forward + step + 14 * params / 4e12
+    else:
+        moved = (18 if method.get("predicts_per_group") else 24) * params / 4e12
+        gpu_pace = 24 * forward + step + 3 * moved
+    assert row["speedup_gpu"] == pytest.approx([(33 * forward + step) / gpu_pace], rel=1e-9)
+    assert rows["1f1b"]["speedup_gpu"] == [1.0]
+    text = compare.tta_table(list(rows.values()), "1f1b", "gpt2-medium")
+    assert f"| {33 / cpu_pace:.3f} | {row['speedup_gpu'][0]:.3f} | {33 / 24:.3f} |" in text
+
+
+def test_a_speed_up_with_the_cost_left_out_is_never_printed_alone():
+    row = {"run": "m", "target": "t", "target_values": [3.0], "hits": [(1, 1, 1, 1, 1, 1)],
+           "speedup": None, "speedup_gpu": None, "speedup_cost_left_out": [1.4]}
+    with pytest.raises(ValueError, match="printed only beside the ones with it"):
+        compare.tta_table([row], "1f1b")
+    with pytest.raises(ValueError, match="printed only beside"):
+        compare_report.speedup_cells(dict(row, speedup=[1.2]), "speedup")  # the GPU's missing
+    assert compare_report.speedup_cells(dict(row, speedup=[1.2], speedup_gpu=[1.3]),
+                                        "speedup") == [[1.2], [1.3], [1.4]]
+
+
+def test_the_gpu_arithmetic_by_hand():
+    """gpt2-medium (hidden 1024, micro-batch 4 x 1024) at P=4: 6 layers a stage."""
+    costs = tta.gpu_costs(tta.GPU_MODELS["gpt2-medium"], 4)
+    assert costs.forward == pytest.approx(6 * 120_259_084_288 / 396e12, rel=1e-12)
+    assert costs.backward == 2 * costs.forward
+    assert costs.step == pytest.approx(30 * 75_577_344 / 4e12, rel=1e-12)
+    predict = tta.gpu_method_cost(tta.RunShape("paci", 4, 8, 8, predicts=True),
+                                  tta.GPU_MODELS["gpt2-medium"])
+    # a quarter of a forward (24 B a parameter at 4 TB/s against the forward's flops)
+    assert predict.per_predicted_forward == pytest.approx(24 * 75_577_344 / 4e12
+                                                          / costs.forward, rel=1e-12)
+    assert 0.24 < predict.per_predicted_forward < 0.26 and predict.per_step == 0
+    assert tta.gpu_method_cost(tta.RunShape("paci", 4, 8, 8), tta.GPU_MODELS["gpt2-medium"]).free

@@ -444,18 +444,19 @@ def test_the_feature_times_the_move_and_restore_apart_from_the_forward(monkeypat
     import time
 
     feature = wp.WeightPrediction()
-    ctx, _restored = _feature_ctx(feature, {0: 1, 1: 0})
+    ctx, _restored = _feature_ctx(feature, {0: 1, 1: 0, 2: 1})
     feature.layout.stage_pass.restore = lambda: time.sleep(0.02)
     feature.layout.stage_pass.kernel = "plain"
-    monkeypatch.setattr(wp, "predict_ahead", lambda *a: time.sleep(0.03) or True)
+    moves = iter([0.5, 0.03])  # the first move compiles its kernels: left out
+    monkeypatch.setattr(wp, "predict_ahead", lambda *a: time.sleep(next(moves)) or True)
     assert "predict_ms" not in feature.summary()
-    for mb in (0, 1):
+    for mb in (0, 1, 2):
         feature.before_forward(ctx, mb)
         time.sleep(0.002)  # the forward
         feature.after_forward(ctx, mb)
     row = feature.summary()
-    assert row["predicted_forwards"] == {1: 1}
-    assert row["predict_ms"] >= 50.0
+    assert row["predicted_forwards"] == {1: 2}
+    assert 50.0 <= row["predict_ms"] < 400.0  # the second move and restore only
     assert 2.0 <= row["forward_ms"] < 30.0  # the move is not the forward's
 
 
@@ -535,3 +536,32 @@ def test_the_schedule_flag_needs_the_prediction_and_reaches_the_config(capsys):
                             "per-group"], world_size=2)
     assert "--paci-weight-prediction-schedule per-group needs the weight prediction" in \
         capsys.readouterr().err
+
+
+@pytest.mark.parametrize("P,stage,a,strength,steps", [(4, 0, 8, 1.0, 3 / 8), (4, 1, 2, 2.0, 2.0),
+                                                      (8, 0, 8, 1.0, 7 / 8), (4, 3, 1, 1.0, 0.0)])
+def test_the_lookahead_runs_c_times_the_mean_drift_ahead_on_the_moments(P, stage, a, strength,
+                                                                        steps):
+    """--paci-lookahead C after a step: the weights C x (P-1-s)/a steps ahead on the
+    moments (no gradient), by hand: main (1 - c lr wd) - c lr m^ / (sqrt(v^) + eps) with the
+    next step's bias corrections, c a fraction of a step where the drift is."""
+    from paci_megatron.features.lookahead import Lookahead
+
+    ctx = SimpleNamespace(num_stages=P, stage=stage, accumulation=a)
+    assert Lookahead(strength).steps_ahead(ctx) == steps
+    if not steps:
+        return  # the last stage: nothing to look ahead for (the feature moves nothing)
+    opt, params, offsets, flat = _flat_optimizer(
+        torch.optim.AdamW, SIZES, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    stage_pass, _ = _pass(opt, params, offsets, flat, "adam")
+    ahead = _predicted(stage_pass, opt, steps, None)
+    state = [opt.state[p] for p in params]
+    m = torch.cat([s["exp_avg"] for s in state])
+    v = torch.cat([s["exp_avg_sq"] for s in state])
+    t = _steps(opt) + 1
+    decay = torch.cat([torch.full((n,), 0.1 if i < len(SIZES) - 1 else 0.0)
+                       for i, n in enumerate(SIZES)])
+    lr = steps * 1e-3
+    expected = flat["main"] * (1 - lr * decay) \
+        - lr * (m / (1 - 0.9 ** t)) / ((v / (1 - 0.95 ** t)).sqrt() + 1e-8)
+    torch.testing.assert_close(ahead, expected, rtol=1e-6, atol=3e-7)

@@ -64,8 +64,9 @@ class Lookahead(StageFeature):
         self.strength = strength
         self.layout = None
         self.ahead = False  # the model weights hold the look-ahead now
-        self.time = SpanTimer()  # one pass a step: the step's extra cost
-        self.forward_time = SpanTimer()  # the stage's forwards, to state that cost in them
+        # one pass a step: the step's extra cost (the first left out: it compiles the kernels)
+        self.time = SpanTimer(skip=1)
+        self.forward_time = SpanTimer(skip=1)  # the stage's forwards, to state that cost in
 
     @staticmethod
     def check(args, layout) -> None:

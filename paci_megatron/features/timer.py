@@ -12,10 +12,13 @@ from collections import deque
 
 
 class SpanTimer:
-    """The total and count of finished spans (``start`` ... ``stop``)."""
+    """The total and count of finished spans (``start`` ... ``stop``), the first ``skip``
+    left out: a pass's first calls compile its kernels (torch.compile: seconds, not the
+    steady state a projection wants)."""
 
-    def __init__(self, cuda: bool = False):
+    def __init__(self, cuda: bool = False, skip: int = 0):
         self.cuda = cuda
+        self.skip = skip
         self.seconds = 0.0
         self.count = 0
         self._open = None
@@ -40,6 +43,9 @@ class SpanTimer:
         return 1000.0 * self.seconds / self.count if self.count else None
 
     def _add(self, seconds: float) -> None:
+        if self.skip:
+            self.skip -= 1
+            return
         self.seconds += seconds
         self.count += 1
 

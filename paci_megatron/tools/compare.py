@@ -44,8 +44,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..simulate import Costs
 from . import tta
-from .compare_report import (X_PROJECTED, X_SAMPLES, X_UPDATES, budget_table, gap_table, plot,
-                             prediction_cost_line, print_speedups, report_table, tta_table)
+from .compare_report import (X_GPU, X_PROJECTED, X_SAMPLES, X_UNCOSTED, X_UPDATES, budget_table,
+                             gap_table, method_cost_line, plot, prediction_cost_line,
+                             print_speedups, report_table, tta_table)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENTRY = os.path.join(REPO, "pretrain_gpt_paci.py")
@@ -137,7 +138,10 @@ def run_shape(name: str, flags: Sequence[str], nproc: int) -> tta.RunShape:
         microbatches=args.num_microbatches, accumulation=cfg.accumulation,
         sync_iters=cfg.sync_iters, cooldown_start=cfg.shape.cooldown_start,
         virtual_chunks=args.virtual_pipeline_model_parallel_size or 1,
-        predicts=args.pipeline_schedule == "paci" and cfg.weight_prediction)
+        predicts=args.pipeline_schedule == "paci" and cfg.weight_prediction,
+        predicts_per_group=args.pipeline_schedule == "paci" and cfg.weight_prediction
+        and cfg.prediction_per_group,
+        looks_ahead=args.pipeline_schedule == "paci" and bool(cfg.lookahead))
 
 
 # flags a one-stage timing launch must not inherit (value-taking, then switches)
@@ -233,19 +237,47 @@ def _finished_with(metrics: str, record: str, flags: List[str], nproc: int) -> b
     return any(r.get("final") for r in _read_records(metrics))
 
 
+def _mean_ratio(costs: Sequence, forwards: Sequence) -> Optional[float]:
+    """Mean over the stages that timed both of a cost over the same stage's forward."""
+    ratios = [c / f for c, f in zip(costs, forwards) if c and f]
+    return sum(ratios) / len(ratios) if ratios else None
+
+
+def measured_method_cost(shape: tta.RunShape, final: Dict, costs: Costs) -> tta.MethodCost:
+    """The run's method's cost in forwards as the run timed it (per stage, over the same
+    stage's forward, the mean over stages); where it did not time it, the projection's own
+    --project-predict-ms (a look-ahead always times its pass where it moves anything)."""
+    forwards = final.get("method_forward_ms") or final.get("predicted_forward_ms") or []
+    predict = _mean_ratio(final.get("predict_ms") or [], forwards) if shape.predicts else 0.0
+    ahead = _mean_ratio(final.get("lookahead_ms") or [], forwards) if shape.looks_ahead else 0.0
+    source = "its run's timing"
+    if predict is None:
+        predict, source = costs.predict / costs.forward, "--project-predict-ms"
+    return tta.MethodCost(predict, ahead or 0.0, source=source)
+
+
 def summarize(name: str, records: List[Dict], shape: tta.RunShape, costs: Costs,
-              seed: Optional[int] = None) -> Dict:
+              seed: Optional[int] = None,
+              gpu: tta.GpuModel = tta.GPU_MODELS["gpt2-medium"]) -> Dict:
     """One seed of one run: its figures and its validation curve, whose points carry
-    (samples, updates, wall s, projected s) and the loss."""
+    (samples, updates, wall s, projected s with the method's cost, the same with a GPU's
+    costs, projected s with the method's cost left out) and the loss (X_* in
+    compare_report)."""
     train = [r for r in records if "lm_loss" in r]
     evals = [r for r in records if "validation_loss" in r and not r.get("final")]
     final = next(r for r in records if r.get("final"))
     by_iter = {r["iteration"]: r for r in train}
-    per_iteration = tta.seconds_per_iteration(shape, costs)
+    method = measured_method_cost(shape, final, costs)
+    gpu_method = tta.gpu_method_cost(shape, gpu)
+    paces = [(c, tta.seconds_per_iteration(shape, c)) for c in (
+        tta.with_method(costs, method),
+        tta.with_method(tta.gpu_costs(gpu, shape.num_stages), gpu_method),
+        tta.with_method(costs, None))]
+    per_iteration = paces[0][1]
 
     def point(iteration, samples, wall, value):
         xs = (samples, shape.updates(iteration), wall,
-              tta.projected_seconds(shape, costs, iteration, per_iteration))
+              *(tta.projected_seconds(shape, c, iteration, pace) for c, pace in paces))
         return xs, value
 
     curve = [point(r["iteration"], by_iter[r["iteration"]]["consumed_samples"],
@@ -261,13 +293,15 @@ def summarize(name: str, records: List[Dict], shape: tta.RunShape, costs: Costs,
         "best_val": min(v for _, v in curve),
         "tokens_per_sec": sum(r["tokens_per_sec"] for r in steady) / len(steady),
         "projected_s_per_iteration": per_iteration[1],
+        "method_cost": method, "gpu_method_cost": gpu_method,
         "peak_rss_mb": final.get("peak_rss_mb"),
         "peak_activation_mb": final.get("peak_activation_mb"),
         # per-iteration records know only the logging stage's drift; the final one has all
         "max_drift": final.get("max_drift") or (train[-1]["max_drift"] if train else None),
         # per stage, a predicted forward's move + restore in forwards (None: not predicted)
         "predict_in_forwards": [p and f and p / f for p, f in zip(
-            final.get("predict_ms") or [], final.get("predicted_forward_ms") or [])],
+            final.get("predict_ms") or [],
+            final.get("method_forward_ms") or final.get("predicted_forward_ms") or [])],
         "wall_s": final["wall_s"],
         "train_iters": final["iteration"],
     }
@@ -292,12 +326,14 @@ def targets_per_seed(base: List[Dict], extra: Sequence[float]) -> List[Tuple[str
 
 
 def interleaved_hits(runs: Dict[str, List[Dict]], base_name: str, per_seed: List[float],
-                     costs: Optional[Costs]) -> Optional[List[Optional[float]]]:
-    """Per seed, interleaved 1F1B's projected seconds to the target: from its own run when
-    there is one, else from the baseline's curve (a synchronous schedule makes the same
-    updates) at interleaved's projected pace (v = 2); None where it cannot run."""
+                     costs: Optional[Costs], x: int = X_PROJECTED
+                     ) -> Optional[List[Optional[float]]]:
+    """Per seed, interleaved 1F1B's projected seconds (``x``: with this machine's or the
+    GPU's costs) to the target: from its own run when there is one, else from the baseline's
+    curve (a synchronous schedule makes the same updates) at interleaved's projected pace
+    (v = 2) under ``costs``; None where it cannot run."""
     if "interleaved" in runs:
-        return [h and h[X_PROJECTED] for h in
+        return [h and h[x] for h in
                 (tta.reach(r["curve"], t) for r, t in zip(runs["interleaved"], per_seed))]
     base = runs[base_name]
     shape = base[0]["shape"]
@@ -312,21 +348,36 @@ def interleaved_hits(runs: Dict[str, List[Dict]], base_name: str, per_seed: List
 
 def time_to_accuracy(runs: Dict[str, List[Dict]], base_name: str,
                      targets: List[Tuple[str, List[float]]],
-                     costs: Optional[Costs] = None) -> List[Dict]:
+                     costs: Optional[Costs] = None,
+                     gpu: tta.GpuModel = tta.GPU_MODELS["gpt2-medium"]) -> List[Dict]:
     """Per run and target: per seed, the x values where the curve first reaches the target
-    (None: not reached), and the projected TTA speed-up over the baseline per seed, and over
-    interleaved 1F1B (``interleaved_hits``; None where it has none)."""
+    (None: not reached), and the projected TTA speed-ups over the baseline and over
+    interleaved 1F1B (``interleaved_hits``; None where it has none), each with the run's
+    method's own cost, on this machine's costs (``speedup``) and a GPU's (``*_gpu``), and
+    on this machine's with the method's cost left out (``speedup_cost_left_out``: printed
+    only beside the one with it)."""
     rows = []
     for label, per_seed in targets:
         base_hits = [tta.reach(r["curve"], t) for r, t in zip(runs[base_name], per_seed)]
         inter = interleaved_hits(runs, base_name, per_seed, costs)
+        inter_gpu = interleaved_hits(runs, base_name, per_seed, tta.gpu_costs(
+            gpu, runs[base_name][0]["shape"].num_stages), X_GPU)
         for name, seeds in runs.items():
             hits = [tta.reach(r["curve"], t) for r, t in zip(seeds, per_seed)]
-            projected = [h and h[X_PROJECTED] for h in hits]
+
+            def vs(base, x):
+                return None if base is None else tta.speedups(base, [h and h[x] for h in hits])
+
+            def at(x):
+                return [h and h[x] for h in base_hits]
+
             rows.append({
                 "run": name, "target": label, "target_values": per_seed, "hits": hits,
-                "speedup": tta.speedups([h and h[X_PROJECTED] for h in base_hits], projected),
-                "vs_interleaved": None if inter is None else tta.speedups(inter, projected),
+                "speedup": vs(at(X_PROJECTED), X_PROJECTED),
+                "speedup_gpu": vs(at(X_GPU), X_GPU),
+                "speedup_cost_left_out": vs(at(X_UNCOSTED), X_UNCOSTED),
+                "vs_interleaved": vs(inter, X_PROJECTED),
+                "vs_interleaved_gpu": vs(inter_gpu, X_GPU),
             })
     return rows
 
@@ -404,8 +455,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--project-predict-ms", type=_non_negative("--project-predict-ms"),
                         default=None,
                         help="projected extra cost of a forward on predicted weights (the "
-                             "move and the restore, --paci-weight-prediction) per stage "
-                             "(default 0: left out)")
+                             "move and the restore, --paci-weight-prediction) per stage, for "
+                             "runs that did not time their own (default 0)")
+    parser.add_argument("--gpu-model", choices=sorted(tta.GPU_MODELS), default="gpt2-medium",
+                        help="the model whose costs on an H200, by arithmetic, give the "
+                             "second projection (default gpt2-medium)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--nproc-per-node", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per run")
@@ -500,6 +554,7 @@ def compare(args, train_flags: List[str]) -> int:
               f"forward {timed['predict_ms']:.3f} ms more", flush=True)
     costs = Costs(args.project_forward_ms / 1e3, args.project_backward_ms / 1e3,
                   args.project_step_ms / 1e3, predict=args.project_predict_ms / 1e3)
+    gpu = tta.GPU_MODELS[args.gpu_model]
     runs: Dict[str, List[Dict]] = {}
     for spec in specs:
         for seed in seeds:
@@ -508,18 +563,17 @@ def compare(args, train_flags: List[str]) -> int:
             records = run_one(spec, seed, train_flags, args.out, args.nproc_per_node,
                               args.timeout, reuse=args.reuse)
             runs.setdefault(spec.name, []).append(
-                summarize(spec.name, records, shapes[spec.name], costs, seed))
+                summarize(spec.name, records, shapes[spec.name], costs, seed, gpu))
     targets = targets_per_seed(runs[base_name], extra_targets)
-    rows = time_to_accuracy(runs, base_name, targets, costs)
-    table, ttable = report_table(runs, base_name), tta_table(rows, base_name)
+    rows = time_to_accuracy(runs, base_name, targets, costs, gpu)
+    table, ttable = report_table(runs, base_name), tta_table(rows, base_name, gpu.name)
     control = f"{base_name}-long"
     budget = budget_table(budget_rows(runs, base_name, control), base_name, control) \
         if control in runs else ""
     gtable = gap_table(runs, base_name)
     cost_line = prediction_cost_line(runs)
+    methods = method_cost_line(runs, gpu.describe())
     plots = plot(runs, args.out)
-    predicted = f"{args.project_predict_ms:.4g} ms more" if args.project_predict_ms \
-        else "no more (the prediction's cost left out)"
     with open(os.path.join(args.out, "report.md"), "w") as f:
         f.write("# Schedule comparison\n\nTraining flags: `" + " ".join(train_flags) + "`\n\n")
         f.write("Runs: " + "; ".join(f"{s.name} = `{' '.join(s.flags)}`" for s in specs) + "\n\n")
@@ -535,10 +589,11 @@ def compare(args, train_flags: List[str]) -> int:
                 "between evaluations. Projected time: each schedule's action lists for this P "
                 f"and M in the lockstep simulator, forward {args.project_forward_ms:.4g} ms, "
                 f"backward {args.project_backward_ms:.4g} ms, step {args.project_step_ms:.4g} ms "
-                f"per stage ({cost_source}), a forward on predicted weights {predicted}, "
+                f"per stage ({cost_source}), and each run's method's own cost (below), "
                 "steady state (--paci-sync-iters iterations at 1F1B's pace; "
                 "projected s/iteration is the pace after them); interleaved from Megatron-Core's "
                 "order per rank, timed the same way.\n\n")
+        f.write(methods + "\n\n")
         if cost_line:
             f.write(cost_line + "\n\n")
         for p in plots:
@@ -548,6 +603,7 @@ def compare(args, train_flags: List[str]) -> int:
     print(ttable)
     if budget:
         print(budget)
+    print(methods)
     if cost_line:
         print(cost_line)
     print_speedups(runs, rows, base_name)

@@ -9,7 +9,9 @@ from typing import Dict, List, Optional, Sequence
 
 from . import tta
 
-X_SAMPLES, X_UPDATES, X_WALL, X_PROJECTED = range(4)  # x values of a curve point (compare.py)
+# x values of a curve point (compare.summarize): projected seconds with the run's method's own
+# cost on this machine's costs (the headline), with a GPU's costs, and with the cost left out
+X_SAMPLES, X_UPDATES, X_WALL, X_PROJECTED, X_GPU, X_UNCOSTED = range(6)
 
 
 def _fmt(value, digits=3) -> str:
@@ -80,27 +82,68 @@ def prediction_cost_line(runs: Dict[str, List[Dict]]) -> str:
             + "; ".join(f"{name} {_fmt(v)}" for name, v in timed.items()) + ".")
 
 
-def tta_table(rows: List[Dict], base_name: str) -> str:
-    """One row per run and target; the speed-up over interleaved 1F1B is its own run's where
-    there is one, else projected from the baseline's curve (see compare.interleaved_hits)."""
+def speedup_cells(row: Dict, key: str) -> List[Optional[Sequence[float]]]:
+    """The speed-ups ``key`` (speedup, vs_interleaved) of a row as the report prints them:
+    with the method's own cost on this machine, on the GPU, and, beside them, with the cost
+    left out. A speed-up with the cost left out never goes out alone: a row that has it but
+    not the ones with the cost is refused."""
+    costed, gpu = row.get(key), row.get(f"{key}_gpu")
+    left_out = row.get(f"{key}_cost_left_out")
+    if left_out is not None and (costed is None or gpu is None):
+        raise ValueError(f"run {row['run']}: a speed-up with the method's cost left out is "
+                         "printed only beside the ones with it; compute those first")
+    return [costed, gpu, left_out]
+
+
+def tta_table(rows: List[Dict], base_name: str, gpu_name: str = "GPU") -> str:
+    """One row per run and target; each speed-up with the run's method's own cost (this
+    machine's costs, then the GPU's), and with the cost left out beside them for runs whose
+    method has one. The speed-up over interleaved 1F1B is its own run's where there is one,
+    else projected from the baseline's curve (see compare.interleaved_hits)."""
     inter = any(row.get("vs_interleaved") is not None for row in rows)
     head = (f"| run | target | target loss | samples | updates | wall s | projected s | "
-            f"projected TTA speed-up vs {base_name} |"
-            + (" projected TTA speed-up vs interleaved |" if inter else ""))
-    out = [head, "|" + "---|" * (9 if inter else 8)]
+            f"speed-up vs {base_name}, with its cost | the same, {gpu_name} costs | "
+            f"the same, its cost left out |"
+            + (" vs interleaved, with its cost | the same, GPU costs |" if inter else ""))
+    out = [head, "|" + "---|" * (12 if inter else 10)]
     for row in rows:
         n = len(row["hits"])
         col = [[h and h[i] for h in row["hits"]] for i in range(4)]
         reached = any(row["hits"])
+
+        def cell(values, digits=3):
+            return _stat(values, digits, total=n) if reached and values is not None else (
+                "not reached" if not reached else "-")
+
+        costed, gpu, left_out = speedup_cells(row, "speedup")
+        same = left_out is not None and costed is not None and list(left_out) == list(costed)
         line = (f"| {row['run']} | {row['target']} | {_stat(row['target_values'], 4)} | "
                 f"{_stat(col[X_SAMPLES], 0)} | {_stat(col[X_UPDATES], 1)} | "
                 f"{_stat(col[X_WALL], 1)} | {_stat(col[X_PROJECTED], 4)} | "
-                f"{_stat(row['speedup'], 3, total=n) if reached else 'not reached'} |")
+                f"{cell(costed)} | {cell(gpu)} | "
+                f"{'(no cost)' if same else cell(left_out)} |")
         if inter:
-            vs = row.get("vs_interleaved")
-            line += f" {_stat(vs, 3, total=n) if reached and vs is not None else '-'} |"
+            vs, vs_gpu, _ = speedup_cells(row, "vs_interleaved")
+            line += f" {cell(vs)} | {cell(vs_gpu)} |"
         out.append(line)
     return "\n".join(out)
+
+
+def method_cost_line(runs: Dict[str, List[Dict]], gpu_text: str) -> str:
+    """What each method's cost is in the projection, in forwards of a stage."""
+    parts = []
+    for name, seeds in runs.items():
+        cpu, gpu = seeds[0]["method_cost"], seeds[0]["gpu_method_cost"]
+        if cpu.free and gpu.free:
+            continue
+        mean = [sum(getattr(r["method_cost"], k) for r in seeds) / len(seeds)
+                for k in ("per_predicted_forward", "per_step")]
+        parts.append(f"{name}: {mean[0]:.3g} forwards a predicted forward, {mean[1]:.3g} a "
+                     f"step on this machine ({cpu.source}); {gpu.per_predicted_forward:.3g} "
+                     f"and {gpu.per_step:.3g} on the GPU")
+    return ("Each method's own cost in the projections with it (in forwards of a stage): "
+            + "; ".join(parts) + f". GPU costs by arithmetic: {gpu_text}.") if parts else (
+            f"No run's method has a cost of its own. GPU costs by arithmetic: {gpu_text}.")
 
 
 def budget_table(rows: List[Dict], base_name: str, control_name: str) -> str:
@@ -174,10 +217,15 @@ def print_speedups(runs: Dict[str, List[Dict]], rows: List[Dict], base_name: str
             continue
         throughput = base[0]["projected_s_per_iteration"] / seeds[0]["projected_s_per_iteration"]
         for row in (r for r in rows if r["run"] == name):
+            costed, gpu, left_out = speedup_cells(row, "speedup")
+            n = len(row["hits"])
+            free = seeds[0]["method_cost"].free
             print(f"{name}: projected time-to-accuracy speed-up vs {base_name} to "
-                  f"{row['target']} ({_stat(row['target_values'], 4)}): "
-                  f"{_stat(row['speedup'], 3, total=len(row['hits']))} "
-                  f"(projected throughput ratio {throughput:.3f})")
+                  f"{row['target']} ({_stat(row['target_values'], 4)}), with its cost: "
+                  f"{_stat(costed, 3, total=n)} on this machine's costs, "
+                  f"{_stat(gpu, 3, total=n)} on the GPU's"
+                  + ("" if free else f"; its cost left out: {_stat(left_out, 3, total=n)}")
+                  + f" (projected throughput ratio with its cost {throughput:.3f})")
         if None not in (_per_stage_mean(seeds, "peak_activation_mb") or [None]) \
                 and None not in (_per_stage_mean(base, "peak_activation_mb") or [None]):
             ratio = [a / b for a, b in zip(_per_stage_mean(seeds, "peak_activation_mb"),

@@ -64,6 +64,8 @@ class RunShape:
     cooldown_start: Optional[int] = None  # --paci-cooldown-iters: stock 1F1B from here on
     virtual_chunks: int = 1
     predicts: bool = False  # --paci-weight-prediction: stale forwards cost Costs.predict more
+    predicts_per_group: bool = False  # ... once a group: only its first stale forward does
+    looks_ahead: bool = False  # --paci-lookahead: a pass after each local step
 
     def updates(self, iterations: float) -> float:
         """Optimizer steps per stage after ``iterations`` iterations."""
@@ -84,21 +86,37 @@ class _PredictedCosts(Costs):
         return self.of(action) + (self.predict if stale else 0.0)
 
 
+def _predicted_forwards(plan, calls: int, num_stages: int, per_group: bool):
+    """(stage, micro-batch) of every forward whose backward comes after a local step (the
+    lists say which); ``per_group``: only the first such forward of each group."""
+    out = set()
+    for s in range(num_stages):
+        moved = False
+        for k in range(calls):
+            for act in plan.call(k)[s]:
+                if act.op is Op.STEP:
+                    moved = False
+                elif act.op is Op.FORWARD and plan.steps_before_backward(k, s, act.mb):
+                    if not (per_group and moved):
+                        out.add((s, act.mb))
+                    moved = True
+    return frozenset(out)
+
+
 def seconds_per_call(kind: str, num_stages: int, accumulation: int, per_call: int,
                      costs: Costs, warmup: int = 2, timed: int = 4,
-                     predicts: bool = False) -> float:
+                     predicts: bool = False, per_group: bool = False) -> float:
     """Steady-state time of one forward-backward call: the calls of ``plan_stream`` run in
     lockstep; per stage, the time from the end of its warm-up calls to its last action, over
     ``timed`` calls; the slowest stage. ``predicts``: every forward whose backward comes
-    after a local step (the lists say which) costs ``costs.predict`` more."""
+    after a local step costs ``costs.predict`` more (``per_group``: the first of each
+    group)."""
     plan = plan_stream(kind, num_stages, accumulation, per_call)
     calls = warmup + timed
     lists = tuple(tuple(act for k in range(calls) for act in plan.call(k)[s])
                   for s in range(num_stages))
     if predicts and costs.predict:
-        stale = frozenset((s, act.mb) for k in range(calls) for s in range(num_stages)
-                          for act in plan.call(k)[s] if act.op is Op.FORWARD
-                          and plan.steps_before_backward(k, s, act.mb))
+        stale = _predicted_forwards(plan, calls, num_stages, per_group)
         costs = _PredictedCosts(**dataclasses.asdict(costs), forwards=stale)
     events = run_lockstep(Schedule(f"{kind}-stream", num_stages, accumulation,
                                    calls * per_call, lists), costs)
@@ -118,10 +136,100 @@ def seconds_per_iteration(shape: RunShape, costs: Costs) -> Tuple[float, float]:
     flush = seconds_per_call("flush", P, M, M, costs)
     if shape.schedule == "paci":
         return flush, seconds_per_call("paci", P, shape.accumulation, M, costs,
-                                       predicts=shape.predicts)
+                                       predicts=shape.predicts,
+                                       per_group=shape.predicts_per_group)
     if shape.schedule == "interleaved":
         return flush, interleaved.seconds_per_iteration(P, M, shape.virtual_chunks, costs)
     return flush, flush
+
+
+# --- a method's own cost -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MethodCost:
+    """What a method adds to a stage's work, in forwards of that stage: per forward it
+    predicts (the weight prediction's move and restore; its move alone once a group), per
+    local step (the look-ahead's pass). ``source`` says where the figures come from."""
+
+    per_predicted_forward: float = 0.0
+    per_step: float = 0.0
+    source: str = ""
+
+    @property
+    def free(self) -> bool:
+        return not (self.per_predicted_forward or self.per_step)
+
+
+def with_method(costs: Costs, method: Optional[MethodCost]) -> Costs:
+    """The projection's per-action costs with the method's own added, stated in the
+    projection's forward (None: every method's cost left out)."""
+    if method is None:
+        return dataclasses.replace(costs, predict=0.0)
+    return dataclasses.replace(costs, step=costs.step + method.per_step * costs.forward,
+                               predict=method.per_predicted_forward * costs.forward)
+
+
+# --- the costs of a GPU, by stated arithmetic ---------------------------------------------
+
+GPU_BYTES_PER_S = 4e12  # HBM bandwidth a fused elementwise pass reaches on an H200
+GPU_FLOPS = 0.4 * 990e12  # 40% of an H200's dense bf16 peak
+# bytes per parameter, bf16 weights with fp32 main copies and Adam's two moments:
+STEP_BYTES = 30  # the step: reads grad, main, m, v (16), writes main, m, v (12), weight (2)
+PREDICT_BYTES = 24  # move: reads main, m, v, grad (16), writes weight (2); restore: 4 + 2
+PREDICT_GROUP_BYTES = 18  # once a group: the move alone (the step writes the weights)
+LOOKAHEAD_BYTES = 14  # after the step: reads main, m, v (12), writes the weight (2)
+
+
+@dataclass(frozen=True)
+class GpuModel:
+    """A named GPT whose transformer layers split evenly over the stages (the embedding and
+    output layer left out), at ``micro_batch`` sequences of ``seq`` tokens."""
+
+    name: str
+    layers: int
+    hidden: int
+    seq: int
+    micro_batch: int
+
+    def layer_params(self) -> int:
+        return 12 * self.hidden ** 2 + 13 * self.hidden
+
+    def layer_forward_flops(self) -> float:
+        """2 flops a weight a token, plus attention's two (seq x seq) matmuls."""
+        tokens = self.micro_batch * self.seq
+        return 2.0 * tokens * 12 * self.hidden ** 2 + 4.0 * tokens * self.seq * self.hidden
+
+    def describe(self) -> str:
+        return (f"{self.name}: {self.layers} layers of hidden {self.hidden}, micro-batch "
+                f"{self.micro_batch} x {self.seq} tokens; forwards at 40% of 990 TFLOP/s "
+                f"(backward 2x), steps and the methods' passes at "
+                f"{GPU_BYTES_PER_S / 1e12:g} TB/s ({STEP_BYTES} B a parameter a step, the "
+                f"prediction {PREDICT_BYTES} ({PREDICT_GROUP_BYTES} once a group), the "
+                f"look-ahead {LOOKAHEAD_BYTES})")
+
+
+GPU_MODELS = {m.name: m for m in (GpuModel("gpt2-medium", 24, 1024, 1024, 4),
+                                  GpuModel("gpt-1.3b", 24, 2048, 2048, 2))}
+
+
+def gpu_costs(model: GpuModel, num_stages: int) -> Costs:
+    """Seconds of one stage's forward, backward and step on an H200, by the arithmetic
+    above (no method's cost)."""
+    layers = model.layers / num_stages
+    forward = layers * model.layer_forward_flops() / GPU_FLOPS
+    step = layers * model.layer_params() * STEP_BYTES / GPU_BYTES_PER_S
+    return Costs(forward, 2.0 * forward, step)
+
+
+def gpu_method_cost(shape: RunShape, model: GpuModel) -> MethodCost:
+    """The run's method's cost on that GPU, in forwards of a stage."""
+    costs = gpu_costs(model, shape.num_stages)
+    moved = model.layers / shape.num_stages * model.layer_params() / GPU_BYTES_PER_S
+    predict = (PREDICT_GROUP_BYTES if shape.predicts_per_group else PREDICT_BYTES) \
+        if shape.predicts else 0
+    ahead = LOOKAHEAD_BYTES if shape.looks_ahead else 0
+    return MethodCost(predict * moved / costs.forward, ahead * moved / costs.forward,
+                      source=f"arithmetic ({model.name})")
 
 
 def projected_seconds(shape: RunShape, costs: Costs, iterations: float,
