@@ -40,7 +40,7 @@ BASE = dict(tp=1, dp=1, a=4, n=4, calls=5, dropout=0.0, bf16=False, recompute=Fa
             dist_opt=False, clip=0.3, layers=4, drain_after=None, eval_after=None,
             audit=False, factors=None, tied=False,
             fp16=False, per_token=False, stale_weight=1.0, correction=0.0, predict=False,
-            predict_group=False, overlap=False)
+            predict_group=False, overlap=False, grad_overlap=False)
 CASES: Dict[str, Dict] = {
     "p2_a4": dict(pp=2, dropout=0.1),
     "p2_a2": dict(pp=2, a=2, n=8, calls=4),
@@ -63,9 +63,27 @@ CASES: Dict[str, Dict] = {
     "p2_tied": dict(pp=2, a=1, n=4, calls=4, tied=True, dropout=0.1),
     "p4_tied": dict(pp=4, a=2, calls=6, tied=True, drain_after=(3,), eval_after=(2, 4)),
     "p2_tied_bf16": dict(pp=2, a=4, n=4, calls=5, tied=True, bf16=True),
-    # the output-layer gradient is sent before the data-parallel reduction and reduced at
-    # stage 0 with its own
+    # the output-layer gradient as the last stage's data-parallel reduction left it, added to
+    # stage 0's reduced one: stock's all-reduce. The distributed optimizer (fp32: the shard
+    # stepped is a view of the parameter buffer; bf16 with a = 1, lag 2: fp32 master shards),
+    # --overlap-grad-reduce (the reduction runs during the closing backward), fp16 (the
+    # scalers start a factor 2 apart: the half is rescaled, each stage skips on its own),
+    # all of them together, at P=2 and at P=4 with a drain and evaluations without drain
     "p2_dp2_tied": dict(pp=2, dp=2, a=2, tied=True, dropout=0.1),
+    "p2_dp2_tied_distopt": dict(pp=2, dp=2, a=2, tied=True, dist_opt=True, dropout=0.1),
+    "p2_dp2_tied_overlap": dict(pp=2, dp=2, a=2, tied=True, grad_overlap=True, dropout=0.1),
+    "p2_dp2_tied_distopt_bf16_overlap": dict(pp=2, dp=2, a=1, n=4, calls=4, tied=True,
+                                             dist_opt=True, bf16=True, grad_overlap=True,
+                                             dropout=0.1),
+    "p2_tied_fp16": dict(pp=2, a=2, calls=6, tied=True, fp16=True),
+    "p2_dp2_tied_fp16_distopt_overlap": dict(pp=2, dp=2, a=2, calls=6, tied=True, fp16=True,
+                                             dist_opt=True, grad_overlap=True),
+    "p4_dp2_tied_distopt_bf16_overlap": dict(pp=4, dp=2, a=2, calls=6, tied=True, dist_opt=True,
+                                             bf16=True, grad_overlap=True, drain_after=(3,),
+                                             eval_after=(2, 4)),
+    "p4_dp2_tied_fp16_distopt_overlap": dict(pp=4, dp=2, a=2, calls=6, tied=True, fp16=True,
+                                             dist_opt=True, grad_overlap=True, drain_after=(3,),
+                                             eval_after=(2, 4)),
     # stage 0's scaler starts at half of stage 1's and both overflow on their own schedule:
     # gradients are rescaled between scales throughout
     "p2_fp16": dict(pp=2, a=2, calls=6, fp16=True),
@@ -142,7 +160,8 @@ def spec_of(cfg: Dict) -> build.GPTSpec:
 def build_parts(cfg: Dict) -> StageParts:
     """One stage as both modes build it (after Megatron-LM's seeding of this pipeline rank)."""
     spec = spec_of(cfg)
-    model = build.build_gpt_model(spec, seed=SEED, use_distributed_optimizer=cfg["dist_opt"])
+    model = build.build_gpt_model(spec, seed=SEED, use_distributed_optimizer=cfg["dist_opt"],
+                                  overlap_grad_reduce=cfg["grad_overlap"])
     info = build.stage_info()
     scales = dict(fp16=True, initial_loss_scale=2.0 ** (19 if info["is_first"] else 20),
                   loss_scale_window=2, hysteresis=1) if cfg["fp16"] else {}
