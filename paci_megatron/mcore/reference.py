@@ -185,6 +185,7 @@ class TiedState:
             raise RuntimeError("the last stage's output layer does not start equal to stage "
                                "0's word embedding")
         self.sharded = first.model.ddp_config.use_distributed_optimizer
+        self.gathers_later = self.sharded and first.model.ddp_config.overlap_param_gather
         self.kept: Optional[tuple] = None  # the last stage's reduced half, for its SG
         self.grads: List[tuple] = []  # (gradient, the last stage's loss scale) in transit
         self.received: Optional[tuple] = None  # stage 0: RG's, added by its R
@@ -200,11 +201,18 @@ class TiedState:
     def install_last(self, value: torch.Tensor) -> None:
         """The last stage's master copy (its shard) and its whole model weight from stage 0's
         (shard of the) weight: with the distributed optimizer every rank's shard, gathered
-        here over data parallel in fp32, then cast."""
+        here over data parallel in fp32, then cast. With --overlap-param-gather only this
+        rank's shard of the model weight, as the step leaves every other weight: the next
+        forward gathers them."""
         if not self.sharded:
             install(self.last, self.last_main, value.view(self.last_main.shape))
             return
         lo, hi = self.span
+        if self.gathers_later:
+            with torch.no_grad():
+                self.last_main.copy_(value)
+                self.last.data.view(-1)[lo:hi].copy_(value)
+            return
         group = parallel_state.get_data_parallel_group()
         piece = torch.zeros(self.shard_size, dtype=torch.float32, device=value.device)
         piece[:hi - lo] = value

@@ -34,8 +34,11 @@ wait for the first at each local step. Instead, as actions of the lists (``sched
 Buffers, each allocated once per stream and reused: stage 0 one for the weight in flight (its
 previous send is done by its next SW: the receive was posted right after that group's SG) and
 one for the gradient received; the last stage the L + 1 weights received and not installed,
-and L gradients in flight (the send of group u is known received at SG u + L, by the argument
-for L above; waiting earlier could stall behind stage 0).
+and at most L gradients in flight: the send of group u is freed once it reports done (on NCCL
+when stage 0's RG ran), at the latest at SG u + L, where it is known received by the argument
+for L above. Waiting for it earlier (at the next SG) would stall behind stage 0 whenever
+P > a: the timed lists put stage 0's RG u after the last stage's SG u + 1 at P=4, a=1 and
+at P=8, a=1 and 2, for instance (forward 1, backward 2).
 
 Staleness of the tied weight: a last-stage forward of group g uses owner version
 ``max(0, g - L)`` and its gradient is applied by stage 0's step g, so it is at most L steps
@@ -139,6 +142,13 @@ class TiedCopy:
         self.opt, self.main, self.lo, self.hi = stepped_part(optimizer, self.weight)
         self.sharded = self.weight in getattr(self.opt, "model_param_gbuf_map", {})
         self.bucket_group = model.param_to_bucket_group[self.weight] if self.sharded else None
+        if self.sharded and any(len(b.params) != 1 for b in self.bucket_group.buckets
+                                if self.weight in b.params):
+            # both stages must cut the weight into the same shards: Megatron-Core splits a
+            # "shared_embedding" parameter into a bucket of its own for that
+            raise RuntimeError("the tied weight shares a distributed-optimizer bucket with "
+                               "other parameters; its shards would differ between stage 0 "
+                               "and the last stage")
 
     @property
     def empty(self) -> bool:
@@ -178,9 +188,15 @@ class TiedCopy:
             self.weight.data.view(-1)[self.lo:self.hi].copy_(value)
         self._gather()
 
+    def whole(self) -> None:
+        """The distributed optimizer: every shard of the model weight in (the all-gather of
+        a step is left to the next forward with --overlap-param-gather)."""
+        if self.sharded:
+            self._gather()
+
     def _gather(self) -> None:
-        """The all-gather of the tied weight's bucket (it holds nothing else), synchronous;
-        one still in flight is finished first (its data would be older)."""
+        """The all-gather of the tied weight's bucket group, synchronous; one still in flight
+        is finished first (it may have read the shard before it was written)."""
         group = self.bucket_group
         if group.param_gather_handle is not None:
             group.param_gather_handle.wait()
@@ -198,6 +214,10 @@ def _isend(tensor: torch.Tensor, peer: int, group):
 
 def _irecv(tensor: torch.Tensor, peer: int, group):
     return torch.distributed.irecv(tensor, src=peer, group=group) if tensor.numel() else None
+
+
+def _completed(works: list) -> bool:
+    return all(work is None or work.is_completed() for work in works)
 
 
 def _wait(works: list) -> None:
@@ -279,12 +299,15 @@ class TiedEmbedding(StageFeature):
 
     def after_reduction(self, ctx: StageContext) -> None:
         """Last stage, in R right after the data-parallel reduction (where stock's all-reduce
-        reads it): keep the output layer's gradient for SG, in the buffer of a send known to
-        be received (group ``steps - L`` or older: see the module docstring)."""
+        reads it): keep the output layer's gradient for SG, in the buffer of a send that is
+        done: one that reports so (NCCL does once stage 0's receive ran; gloo only once
+        waited for), or one known to be received (group ``steps - L`` or older: see the
+        module docstring), whose wait cannot stall."""
         if self.is_owner:
             return
         buf = None
-        while self.grad_sends and self.grad_sends[0][0] <= self.steps - self.lag:
+        while self.grad_sends and (self.grad_sends[0][0] <= self.steps - self.lag
+                                   or _completed(self.grad_sends[0][1])):
             _index, works, buf, _scale = self.grad_sends.popleft()
             _wait(works)
         grad = self.copy.grad()
@@ -434,6 +457,7 @@ class TiedEmbedding(StageFeature):
         if latest is None:
             yield
             return
+        self.copy.whole()  # what is put back must be the whole weight, every shard in
         lagging = self.weight.detach().clone()
         self.copy.show(latest)
         try:
