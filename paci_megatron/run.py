@@ -85,8 +85,6 @@ def megatron_lm_layout(args, num_microbatches: Optional[int] = None) -> Layout:
                   virtual=virtual, ramp=tuple(ramp),
                   tied=pp > 1 and not args.untie_embeddings_and_output_weights,
                   fp16=bool(getattr(args, "fp16", False)),
-                  distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
-                  overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
                   train_iters=getattr(args, "train_iters", None))
 
 

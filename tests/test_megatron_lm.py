@@ -67,10 +67,6 @@ def test_paci_flags_default_to_stock():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (dict(untie_embeddings_and_output_weights=False, use_distributed_optimizer=True),
-     "--use-distributed-optimizer"),
-    (dict(untie_embeddings_and_output_weights=False, overlap_grad_reduce=True),
-     "--overlap-grad-reduce"),
     (dict(num_layers_per_virtual_pipeline_stage=1), "virtual pipeline stages"),
     # M goes 2, 4, 6, 8 (data-parallel size 1 at P=2 on 2 ranks): a=4 divides neither 2 nor 6
     (dict(rampup_batch_size=[4, 4, 100], paci_accumulation_factor=4),
@@ -93,6 +89,16 @@ def test_rampup_and_overlapped_param_gather_are_accepted():
     paci_run.validate_flags(megatron_lm_args(rampup_batch_size=[4, 4, 100],
                                            paci_accumulation_factor=2))
     paci_run.validate_flags(megatron_lm_args(overlap_param_gather=True))
+
+
+def test_tied_embeddings_take_the_realistic_flags_under_paci():
+    """Megatron-LM's default, tied embeddings, with the distributed optimizer, both overlaps
+    and fp16 (tied.py: the reduced gradient and the master shards travel)."""
+    cfg = paci_run.validate_flags(megatron_lm_args(
+        untie_embeddings_and_output_weights=False, use_distributed_optimizer=True,
+        overlap_grad_reduce=True, overlap_param_gather=True, fp16=True,
+        initial_loss_scale=2.0 ** 32, min_loss_scale=1.0, loss_scale=None))
+    assert cfg is not None and cfg.schedule == "paci"
 
 
 def test_fp16_and_per_token_loss_are_accepted_under_paci():

@@ -86,12 +86,8 @@ class MegatronHandlers:
         self.rt.tied.send_output_grad()
 
     def recv_tied_grad(self, mb: int) -> None:
-        """Stage 0's own gradients are weighed before the last stage's half joins them; with
-        per-token loss that half is renormalised by its own (unweighted) token count."""
-        rt = self.rt
-        local_step.weigh_group(rt)
-        per_token = rt.meta is not None and rt.meta.per_token
-        rt.tied.add_output_grad(rt.meta.tied_half_factor(rt.pg.dp_cp) if per_token else 1.0)
+        """Received here; the R that follows adds it (``TiedEmbedding.after_weighing``)."""
+        self.rt.tied.receive_output_grad()
 
     def send_tied_weight(self, mb: int) -> None:
         self.rt.tied.send_weight()
