@@ -32,7 +32,7 @@ SUPPORTED_MCORE_VERSIONS = ("0.16.1",)  # tested
 # what the guard accepts (setup.py's requirement reads it): the tested release and the later
 # patch releases of its minor version, whose APIs megatron-core keeps; the Megatron-LM drop-in
 # also checks the signature of everything it patches
-MCORE_RANGE = ">=0.16.1,<0.17"
+MCORE_RANGE = ">=0.16.1,<0.20"
 
 __all__ = [
     "SUPPORTED_MCORE_VERSIONS",
@@ -118,8 +118,23 @@ def _cpu_factory(fn: Callable) -> Callable:
     return factory
 
 
+class _CpuStream:
+    """A CUDA stream on CPU: work is already ordered, there is nothing to wait for."""
+
+    def wait_stream(self, stream):
+        return None
+
+    def wait_event(self, event):
+        return None
+
+    def synchronize(self):
+        return None
+
+
 class _CpuCuda:
-    """Stands in for ``torch.cuda`` inside one module: CPU-safe current_device/synchronize."""
+    """Stands in for ``torch.cuda`` inside one module: CPU-safe current_device/synchronize,
+    and a no-op current stream (megatron-core 0.19's grad buffers wait on it for CUDA-graph
+    events before each reduction)."""
 
     def __getattr__(self, name):
         return getattr(torch.cuda, name)
@@ -131,6 +146,10 @@ class _CpuCuda:
     @staticmethod
     def synchronize(device=None):
         return None
+
+    @staticmethod
+    def current_stream(device=None):
+        return _CpuStream()
 
 
 class _CpuTorch(types.ModuleType):
@@ -328,6 +347,18 @@ def patch_optimizer_construction():
     return changed
 
 
+def patch_grad_norm_groups():
+    """optimizer.py (megatron-core 0.19): ``has_grad_norm_group`` reduces a flag made with
+    device='cuda' at an optimizer's first step (then caches it). Absent before 0.19."""
+    from megatron.core.optimizer.optimizer import MegatronOptimizer
+
+    fn = MegatronOptimizer.__dict__.get("has_grad_norm_group")
+    if fn is None or getattr(fn, "_paci_cpu_wrapped", False):
+        return False
+    MegatronOptimizer.has_grad_norm_group = _run_as_cpu(fn)  # runs once per group
+    return True
+
+
 def patch_clip_grads():
     """clip_grads.py: buffers on device='cuda'; clip_grad_by_total_norm_fp32 asserts cuda type."""
     from megatron.core.optimizer import clip_grads
@@ -439,6 +470,7 @@ CPU_PATCHES: Dict[str, Callable[[], bool]] = {
     "tied_embeddings": patch_tied_embeddings,
     "optimizer_construction": patch_optimizer_construction,
     "clip_grads": patch_clip_grads,
+    "grad_norm_groups": patch_grad_norm_groups,
     "grad_scaler": patch_grad_scaler,
     "dist_checkpointing": patch_dist_checkpointing,
     "fused_cpu_adam": patch_fused_cpu_adam,

@@ -28,6 +28,7 @@ from megatron.core.pipeline_parallel import schedules as mcore_schedules
 from megatron.core.utils import get_model_config, get_model_type
 
 from ..features.weight_prediction import move_to_prediction, restore_weights
+from . import compat
 from .main_params import main_pairs
 
 
@@ -72,8 +73,7 @@ def time_stage_actions(job, repeats: int, warmup: int) -> Dict[str, float]:
             job.forward_step, batch, model, 1, None, [], config,
             cp_group_size=parallel_state.get_context_parallel_world_size(),
             is_first_microbatch=True, current_microbatch=0, is_last_stage=True))
-        bwd, _ = _timed(lambda: mcore_schedules.backward_step(None, output, None, model_type,
-                                                              config))
+        bwd, _ = _timed(lambda: compat.backward_step(None, output, None, model_type, config))
 
         def step():
             finalize_model_grads([model], None)

@@ -9,7 +9,8 @@ from typing import Callable, Dict, List
 
 import torch
 
-from ..cpu_gloo import _CpuCuda, _CpuTorch, _redirect_torch, _run_as_cpu, apply_cpu_patches
+from ..cpu_gloo import (_CpuCuda, _CpuStream, _CpuTorch, _redirect_torch, _run_as_cpu,
+                        apply_cpu_patches)
 from .version import _replace, _resolve
 
 
@@ -55,28 +56,11 @@ def cpu_initialize_device() -> bool:
     return _redirect_torch("megatron.training.initialize", _InitializeTorch)
 
 
-class _CpuStream:
-    """A CUDA stream on CPU: work is already ordered, there is nothing to wait for."""
-
-    def wait_stream(self, stream):
-        return None
-
-    def wait_event(self, event):
-        return None
-
-    def synchronize(self):
-        return None
-
-
 class _NoStreams(_CpuCuda):
     """``torch.cuda`` inside ``megatron/training/training.py`` on CPU: ``get_model`` builds DDP
     on a side stream (``Stream()``, ``stream(s)``, ``current_stream().wait_stream``)."""
 
     Stream = _CpuStream
-
-    @staticmethod
-    def current_stream(device=None):
-        return _CpuStream()
 
     @staticmethod
     def stream(stream):
