@@ -6,11 +6,14 @@ import re
 from setuptools import setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# torch: the versions the code is tested with (2.13 on CPU, 2.11 on an H200) and those between;
-# megatron-core: what the patches' version guard accepts (patches/cpu_gloo.py, MCORE_RANGE).
-# A machine's exact pins (the CPU torch wheel) are constraints-cpu.txt, not requirements.
+# torch: the versions the code is tested with (2.13 on CPU with every megatron-core release,
+# 2.11 on an H200 with 0.16.1) and those between; every megatron-core release from 0.16.1 to
+# 0.19 itself asks for torch>=2.6, so one range serves them all.
+# megatron-core: what the patches' version guard accepts (patches/versions.py, MCORE_RANGE);
+# pip picks 0.16.x on Python 3.10/3.11 (0.17 and later require 3.12) and keeps an installed
+# release of the range as it is. A machine's exact pins are constraints-*.txt, not requirements.
 TORCH_RANGE = ">=2.11,<2.14"
-with open(os.path.join(HERE, "patches", "cpu_gloo.py")) as handle:
+with open(os.path.join(HERE, "patches", "versions.py")) as handle:
     MCORE_RANGE = re.search(r'^MCORE_RANGE = "([^"]+)"', handle.read(), re.M).group(1)
 
 setup(

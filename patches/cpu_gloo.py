@@ -1,4 +1,5 @@
-"""Runtime patches that let stock Megatron-Core 0.16.1 run on CPU with the gloo backend.
+"""Runtime patches that let stock Megatron-Core (0.16.1 to 0.19, ``versions.py``) run on CPU
+with the gloo backend.
 
 Megatron-Core assumes CUDA in a few dozen places (``torch.cuda.current_device()``, literal
 ``device="cuda"``, the CUDA RNG, ``Tensor.cuda()``, ``param.type() == 'torch.cuda.FloatTensor'``).
@@ -28,13 +29,13 @@ from typing import Callable, Dict, Iterable, List, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
-SUPPORTED_MCORE_VERSIONS = ("0.16.1",)  # tested
-# what the guard accepts (setup.py's requirement reads it): the tested release and the later
-# patch releases of its minor version, whose APIs megatron-core keeps; the Megatron-LM drop-in
-# also checks the signature of everything it patches
-MCORE_RANGE = ">=0.16.1,<0.20"
+from .versions import (MCORE_RANGE, NEWEST_TESTED, REFUSED, RELEASES, TESTED_MCORE_VERSIONS,
+                       tested_pairs)
+
+SUPPORTED_MCORE_VERSIONS = TESTED_MCORE_VERSIONS  # tested (the guard accepts MCORE_RANGE)
 
 __all__ = [
+    "MCORE_RANGE",
     "SUPPORTED_MCORE_VERSIONS",
     "UnsupportedMegatronVersion",
     "installed_megatron_core_version",
@@ -76,7 +77,8 @@ def installed_megatron_core_version() -> Optional[str]:
 
 
 def check_megatron_core_version() -> str:
-    """Raise :class:`UnsupportedMegatronVersion` unless megatron-core is a supported version."""
+    """Raise :class:`UnsupportedMegatronVersion` unless megatron-core is a supported version
+    (inside ``MCORE_RANGE`` and not refused by ``versions.REFUSED``)."""
     from packaging.specifiers import SpecifierSet
     from packaging.version import InvalidVersion, Version
 
@@ -85,14 +87,25 @@ def check_megatron_core_version() -> str:
         supported = version is not None and Version(version) in SpecifierSet(MCORE_RANGE)
     except InvalidVersion:
         supported = False
+    fix = _install_hint()
+    if version is not None and version in REFUSED:
+        raise UnsupportedMegatronVersion(
+            f"megatron-core {version} is installed, which paci_megatron refuses: "
+            f"{REFUSED[version]}. {fix}")
     if not supported:
         found = "not installed" if version is None else f"version {version} is installed"
         raise UnsupportedMegatronVersion(
-            f"paci_megatron patches support megatron-core {MCORE_RANGE} (tested: "
-            f"{', '.join(SUPPORTED_MCORE_VERSIONS)}), but megatron-core {found}. "
-            f"Install a supported one (pip install megatron-core=={SUPPORTED_MCORE_VERSIONS[-1]})."
-        )
+            f"paci_megatron supports megatron-core {MCORE_RANGE} (tested: {tested_pairs()}), "
+            f"but megatron-core {found}. {fix}")
     return version
+
+
+def _install_hint() -> str:
+    """The install line that fits this Python (megatron-core 0.17 and later need 3.12)."""
+    if sys.version_info < (3, 12):
+        return (f"Install a supported one: pip install megatron-core=={RELEASES[0].tested[-1]} "
+                "(megatron-core 0.17 and later need Python 3.12)")
+    return f"Install a supported one: pip install megatron-core=={NEWEST_TESTED}"
 
 
 # --------------------------------------------------------------------------------------------
