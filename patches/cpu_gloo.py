@@ -84,7 +84,8 @@ def check_megatron_core_version() -> str:
 
     version = installed_megatron_core_version()
     try:
-        supported = version is not None and Version(version) in SpecifierSet(MCORE_RANGE)
+        supported = version is not None and SpecifierSet(MCORE_RANGE).contains(
+            Version(version), prereleases=False)  # a pre-release is not a tested release
     except InvalidVersion:
         supported = False
     fix = _install_hint()
