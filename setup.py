@@ -41,12 +41,14 @@ setup(
         "bench": ["matplotlib"],
         "data": ["sentencepiece"],
         "tensorboard": ["tensorboard"],
-        # what Megatron-LM's pretrain_gpt.py (tag core_v0.16.1) imports beyond megatron-core's
-        # own requirements, for python -m paci_megatron.run: megatron/training imports six
-        # (bert_tokenization), regex (gpt2_tokenization), yaml (yaml_arguments, initialize)
-        # and pydantic (megatron/rl, via training.py) unconditionally; tensorboard for
-        # --tensorboard-dir. Flag-specific extras (wandb, tiktoken, transformers, TE, Apex)
-        # stay the user's choice, as in Megatron-LM.
+        # what Megatron-LM's pretrain_gpt.py imports beyond megatron-core's own requirements,
+        # for python -m paci_megatron.run, on every supported tag (the union): core_v0.16.1's
+        # megatron/training imports six (bert_tokenization), regex (gpt2_tokenization), yaml
+        # (yaml_arguments, initialize) and pydantic (megatron/rl, via training.py)
+        # unconditionally; core_v0.17.1 and core_v0.18.2 only yaml; core_v0.19.0 none of them
+        # (tests/test_megatron_lm.py, STARTUP_IMPORTS); tensorboard for --tensorboard-dir.
+        # Flag-specific extras (wandb, tiktoken, transformers, TE, Apex) stay the user's
+        # choice, as in Megatron-LM.
         "megatron-lm": ["six", "regex", "pyyaml", "pydantic", "tensorboard"],
         # Transformer Engine and Apex need CUDA; used only when importable
     },

@@ -73,6 +73,15 @@ def checkout(request) -> Checkout:
     return found
 
 
+def _has_rampup() -> bool:
+    from paci_megatron.mcore.compat import has_batch_size_rampup
+
+    return has_batch_size_rampup()
+
+
+needs_rampup = pytest.mark.skipif(not _has_rampup(), reason="megatron-core 0.19 removed the "
+                                  "batch-size ramp-up (--rampup-batch-size is refused there)")
+
 # A tiny GPT on CPU: the local (non-Transformer-Engine) layers and no fused kernels.
 CPU_FLAGS = [
     "--distributed-backend", "gloo", "--transformer-impl", "local", "--use-cpu-initialization",
@@ -117,9 +126,11 @@ def test_paci_flags_default_to_stock():
      "--overlap-grad-reduce"),
     (dict(num_layers_per_virtual_pipeline_stage=1), "virtual pipeline stages"),
     # M goes 2, 4, 6, 8 (data-parallel size 1 at P=2 on 2 ranks): a=4 divides neither 2 nor 6
-    (dict(rampup_batch_size=[4, 4, 100], paci_accumulation_factor=4),
-     "--paci-accumulation-factor 4 must divide every number of micro-batches per iteration "
-     "that --rampup-batch-size goes through [2, 4, 6, 8] (not [2, 6])"),
+    pytest.param(dict(rampup_batch_size=[4, 4, 100], paci_accumulation_factor=4),
+                 "--paci-accumulation-factor 4 must divide every number of micro-batches per "
+                 "iteration that --rampup-batch-size goes through [2, 4, 6, 8] (not [2, 6])",
+                 marks=needs_rampup),
+    (dict(step_batch_size_schedule="0:4 64:8"), "--step-batch-size-schedule"),
     (dict(rerun_mode="report_determinism_stats"), "--rerun-mode"),
     (dict(apply_layernorm_1p=True), "--apply-layernorm-1p"),
     (dict(fp16=True, initial_loss_scale=1000.0, min_loss_scale=1.0, loss_scale=None),
@@ -132,11 +143,21 @@ def test_bad_flag_combinations_are_refused(overrides, message):
         paci_run.validate_flags(megatron_lm_args(**overrides))
 
 
+@needs_rampup
 def test_rampup_and_overlapped_param_gather_are_accepted():
     paci_run.validate_flags(megatron_lm_args(rampup_batch_size=[4, 4, 100]))  # a follows M
     paci_run.validate_flags(megatron_lm_args(rampup_batch_size=[4, 4, 100],
                                            paci_accumulation_factor=2))
     paci_run.validate_flags(megatron_lm_args(overlap_param_gather=True))
+
+
+def test_rampup_is_refused_where_megatron_core_no_longer_ramps(monkeypatch):
+    from paci_megatron.mcore import compat
+
+    monkeypatch.setattr(compat, "has_batch_size_rampup", lambda: False)
+    with pytest.raises(ValueError, match=r"--rampup-batch-size 4 4 100: the installed "
+                                         r"megatron-core no longer ramps the batch size"):
+        paci_run.validate_flags(megatron_lm_args(rampup_batch_size=[4, 4, 100]))
 
 
 def test_fp16_and_per_token_loss_are_accepted_under_paci():
@@ -447,18 +468,26 @@ def test_a_bad_megatron_lm_flag_prints_one_error_line_once(checkout, tmp_path):
     assert "usage:" not in out + err
 
 
+# what each release's pretrain_gpt.py imports at start-up from the [megatron-lm] extra (its
+# union); tensorboard is there for --tensorboard-dir
+STARTUP_IMPORTS = {"0.16": ("six", "regex", "pyyaml", "pydantic"), "0.17": ("pyyaml",),
+                   "0.18": ("pyyaml",), "0.19": ()}
+
+
 @pytest.mark.parametrize("without,module", [
     (None, None), ("six", "six"), ("regex", "regex"), ("pyyaml", "yaml"),
     ("pydantic", "pydantic")])
 def test_the_megatron_lm_extra_is_what_pretrain_gpt_imports(checkout, without, module):
     """pretrain_gpt.py imports through the hooks with only what ``pip install -e
     ".[megatron-lm]"`` brings (a fresh site folder, ``python -S``; nothing is installed), and
-    not without each package of the extra, with an error naming the extra."""
+    not without each package of the extra its release imports at start-up, with an error
+    naming the extra; without one it does not import, it still starts."""
     worker = os.path.join(REPO, "tests", "workers", "clean_env_import.py")
     cmd = [sys.executable, worker, checkout.script] + (["--without", without] if without else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": checkout.pythonpath})
-    if without is None:
+    release = versions.minor_of(megatron_lm.megatron_lm_checkout_version(checkout.root))
+    if without is None or without not in STARTUP_IMPORTS[release]:
         assert "\nIMPORTED" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     else:
         refused = [l for l in proc.stdout.splitlines() if l.startswith("REFUSED")]
@@ -479,17 +508,26 @@ def test_a_killed_rank_restarts_through_the_drop_in(checkout, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            "--max-restarts", "1", worker, checkout.script, *CPU_FLAGS, *flags,
            "--pipeline-schedule", "paci", "--save", ckpt, "--load", ckpt, "--save-interval", "2"]
+    marker = f"{os.getpid()}-{id(tmp_path)}"  # names the processes this launch starts
     env = dict(os.environ, PYTHONPATH=checkout.pythonpath,
                PACI_TEST_FAULT="before_iteration:1:4", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
-               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=400)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        out, err = proc.communicate()
-        raise AssertionError(f"timed out: {out[-4000:]}\n{err[-4000:]}") from None
+               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PACI_TEST_LAUNCH=marker)
+    # Files, not pipes: the killed rank's checkpoint writer (megatron-core's multiprocessing
+    # Manager, from 0.17 on) outlives it and would hold a pipe open after torchrun exits.
+    with open(tmp_path / "out.txt", "w") as out_file, open(tmp_path / "err.txt", "w") as err_file:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=out_file, stderr=err_file,
+                                text=True, start_new_session=True)
+        timed_out = False
+        try:
+            proc.wait(timeout=400)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            kill_tree(proc.pid)
+            proc.wait()
+        finally:
+            _kill_launched(marker)
+    out, err = (tmp_path / "out.txt").read_text(), (tmp_path / "err.txt").read_text()
+    assert not timed_out, f"timed out after 400 s: {out[-4000:]}\n{err[-4000:]}"
     assert proc.returncode == 0, f"{out[-6000:]}\n--- stderr ---\n{err[-6000:]}"
     assert out.count("PACI_TEST_KILLED") == 1
     assert "could not find the metadata file" in out  # the first launch: nothing to load yet
@@ -499,6 +537,22 @@ def test_a_killed_rank_restarts_through_the_drop_in(checkout, tmp_path):
     assert done == [1, 2, 3, 3, 4, 5, 6], out[-3000:]  # 3 again after the resume, then on
     assert sorted(os.listdir(ckpt)) == ["iter_0000002", "iter_0000004", "iter_0000006",
                                         "latest_checkpointed_iteration.txt"]
+
+
+def _kill_launched(marker: str) -> None:
+    """SIGKILL what is left of one launch: the processes whose environment carries its
+    PACI_TEST_LAUNCH marker (orphans of a killed rank included)."""
+    import psutil
+
+    left = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("PACI_TEST_LAUNCH") == marker:
+                proc.kill()
+                left.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    psutil.wait_procs(left, timeout=10)
 
 
 # --- data parallelism, the distributed optimizer, overlaps, batch-size ramp-up -----------------
@@ -541,8 +595,25 @@ def ramp_runs(checkout, tmp_path_factory):
             for schedule in ("1f1b", "paci")}
 
 
+def _ramps(checkout) -> bool:
+    """Whether the checkout's release still ramps the batch size (0.19 ignores the flag)."""
+    return versions.minor_of(megatron_lm.megatron_lm_checkout_version(checkout.root)) < "0.19"
+
+
 @pytest.mark.dist
-def test_rampup_batch_size_drains_where_the_batch_grows(checkout, ramp_runs):
+def test_rampup_batch_size_is_refused_where_megatron_no_longer_ramps(checkout, tmp_path):
+    if _ramps(checkout):
+        pytest.skip("this release ramps the batch size (the next test)")
+    rc, out, err = run_pretrain_gpt(checkout, ["--pipeline-schedule", "paci"], tmp_path,
+                                    model_flags=RAMP_FLAGS)
+    assert rc != 0 and "megatron-core no longer ramps the batch size" in out + err
+
+
+@pytest.mark.dist
+def test_rampup_batch_size_drains_where_the_batch_grows(checkout, request):
+    if not _ramps(checkout):
+        pytest.skip("megatron-core 0.19 ignores --rampup-batch-size (the test above)")
+    ramp_runs = request.getfixturevalue("ramp_runs")
     paci, stock = iterations(ramp_runs["paci"]), iterations(ramp_runs["1f1b"])
     assert [r["iteration"] for r in paci] == [str(i) for i in range(1, 13)], \
         ramp_runs["paci"][-3000:]
@@ -604,3 +675,49 @@ def test_a_paci_checkpoint_resumes_in_megatron_lms_pretrain_gpt(checkout, tmp_pa
                                     model_flags=[])
     assert rc == 0, out[-4000:] + err[-4000:]
     assert iterations(out) == [] and re.search(r"validation loss at iteration 4 .*lm loss", out)
+
+
+def _with(flags, **values):
+    """``flags`` with each ``--name value`` of ``values`` (name_with_underscores) set."""
+    flags = list(flags)
+    for name, value in values.items():
+        flag = "--" + name.replace("_", "-")
+        if flag in flags:
+            flags[flags.index(flag) + 1] = str(value)
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+@pytest.mark.dist
+def test_checkpoints_reshard_from_megatron_lm_through_paci_and_back(checkout, tmp_path):
+    """On the newest tag: Megatron-LM's pretrain_gpt.py writes at P=2; pretrain_gpt_paci.py
+    loads it at P=4 and saves it again (every weight and moment the same tensor), trains on
+    under PACI and saves; Megatron-LM loads that at P=1 x TP=2 and trains on. A vocabulary
+    padded to 64 x TP keeps the embedding's shape under both layouts."""
+    if versions.release_of(megatron_lm.megatron_lm_checkout_version(checkout.root)) \
+            != versions.RELEASES[-1]:
+        pytest.skip(f"the resharding round trip runs on {versions.RELEASES[-1].megatron_lm_tag}")
+    shape = dict(num_layers=4, make_vocab_size_divisible_by=64)
+    _ok(checkout, ["--save", str(tmp_path / "mlm"), "--save-interval", "4"], tmp_path,
+        model_flags=_with(MODEL_FLAGS, **shape))
+    env = {"PYTHONPATH": checkout.pythonpath}
+    paci = _with(PACI_SHAPE, pipeline_model_parallel_size=4, **shape) + [
+        "--pipeline-schedule", "paci", "--lr-decay-style", "linear", "--save",
+        str(tmp_path / "paci")]
+    run_torchrun("pretrain_gpt_paci.py", paci + ["--load", str(tmp_path / "mlm"),
+                                                 "--train-iters", "4"],
+                 nproc=4, timeout=300, env=env)
+    found = same_tensors(tmp_path / "mlm" / "iter_0000004", tmp_path / "paci" / "iter_0000004",
+                         "29614")
+    assert found["total"] > 80 and found["same"] == found["total"], found
+    _, out, _ = run_torchrun("pretrain_gpt_paci.py", paci + [
+        "--load", str(tmp_path / "paci"), "--train-iters", "6"], nproc=4, timeout=300, env=env)
+    assert re.search(r"iteration\s+6/\s+6 \|", out) and "saved checkpoint at iteration 6" in out
+    flags = _with(MODEL_FLAGS, pipeline_model_parallel_size=1, tensor_model_parallel_size=2,
+                  train_iters=8, **shape) + ["--load", str(tmp_path / "paci"),
+                                             "--override-opt_param-scheduler"]
+    out = _ok(checkout, [], tmp_path, model_flags=flags)
+    rows = iterations(out)
+    assert [r["iteration"] for r in rows] == ["7", "8"], out[-3000:]
+    assert all(math.isfinite(float(r["loss"])) for r in rows)

@@ -21,3 +21,11 @@ def backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, c
         return mcore_schedules.backward_step(input_tensor, output_tensor, output_tensor_grad,
                                              model_type, config)
     return mcore_schedules.backward_step(input_tensor, output_tensor, output_tensor_grad, config)
+
+
+def has_batch_size_rampup() -> bool:
+    """Whether megatron-core still ramps the batch size (``--rampup-batch-size``): 0.19 removed
+    its calculator (the flag is deprecated there and ignored, for ``--step-batch-size-schedule``)."""
+    from megatron.core import num_microbatches_calculator
+
+    return hasattr(num_microbatches_calculator, "RampupBatchsizeNumMicroBatchesCalculator")

@@ -145,15 +145,17 @@ def cpu_get_model() -> bool:
 def cpu_distributed_models() -> bool:
     """megatron/training/models/dist_utils.py (Megatron-LM 0.19, where ``get_model``'s
     wrapping moved): ``model_module.cuda(...)`` and the DDP side stream, as in ``get_model``
-    above (runs once). Absent before 0.19."""
+    above (runs once). Absent before 0.19 (0.18 has the module without that function)."""
     if importlib.util.find_spec("megatron.training.models") is None or \
             importlib.util.find_spec("megatron.training.models.dist_utils") is None:
         return False
     from megatron.training.models import dist_utils
 
-    changed = _redirect_torch(dist_utils.__name__, _TrainingTorch)
     name = "prepare_existing_model_chunks_for_distributed_training"
     original = _resolve(f"{dist_utils.__name__}.{name}")[2]
+    if original is None:  # 0.18 has the module, but get_model still wraps the model itself
+        return False
+    changed = _redirect_torch(dist_utils.__name__, _TrainingTorch)
     return _replace(dist_utils, name, _run_as_cpu(original)) or changed
 
 

@@ -13,7 +13,7 @@ import sys
 import types
 
 from ..cpu_gloo import check_megatron_core_version
-from .version import UnsupportedMegatronLM
+from .version import UnsupportedMegatronLM, _refuse_missing_package
 
 
 _BATCH_INVARIANT = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
@@ -106,6 +106,9 @@ def _import_checkout_training(script_dir: str, site: str) -> None:
     sys.path.insert(0, script_dir)
     try:
         importlib.import_module("megatron.training")
+    except ModuleNotFoundError as exc:
+        _refuse_missing_package(exc)  # a package its __init__ imports (yaml, in 0.17 and 0.18)
+        raise
     finally:
         sys.path.remove(script_dir)  # the first entry: the one inserted above
 
