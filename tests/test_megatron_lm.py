@@ -79,7 +79,7 @@ def _has_rampup() -> bool:
     return has_batch_size_rampup()
 
 
-needs_rampup = pytest.mark.skipif(not _has_rampup(), reason="megatron-core 0.19 removed the "
+needs_rampup = pytest.mark.skipif(not _has_rampup(), reason="megatron-core 0.18 removed the "
                                   "batch-size ramp-up (--rampup-batch-size is refused there)")
 
 # A tiny GPT on CPU: the local (non-Transformer-Engine) layers and no fused kernels.
@@ -596,8 +596,8 @@ def ramp_runs(checkout, tmp_path_factory):
 
 
 def _ramps(checkout) -> bool:
-    """Whether the checkout's release still ramps the batch size (0.19 ignores the flag)."""
-    return versions.minor_of(megatron_lm.megatron_lm_checkout_version(checkout.root)) < "0.19"
+    """Whether the checkout's release still ramps the batch size (0.18 and later ignore the flag)."""
+    return versions.minor_of(megatron_lm.megatron_lm_checkout_version(checkout.root)) < "0.18"
 
 
 @pytest.mark.dist
@@ -612,7 +612,7 @@ def test_rampup_batch_size_is_refused_where_megatron_no_longer_ramps(checkout, t
 @pytest.mark.dist
 def test_rampup_batch_size_drains_where_the_batch_grows(checkout, request):
     if not _ramps(checkout):
-        pytest.skip("megatron-core 0.19 ignores --rampup-batch-size (the test above)")
+        pytest.skip("megatron-core 0.18 and later ignore --rampup-batch-size (the test above)")
     ramp_runs = request.getfixturevalue("ramp_runs")
     paci, stock = iterations(ramp_runs["paci"]), iterations(ramp_runs["1f1b"])
     assert [r["iteration"] for r in paci] == [str(i) for i in range(1, 13)], \
@@ -693,8 +693,9 @@ def _with(flags, **values):
 def test_checkpoints_reshard_from_megatron_lm_through_paci_and_back(checkout, tmp_path):
     """On the newest tag: Megatron-LM's pretrain_gpt.py writes at P=2; pretrain_gpt_paci.py
     loads it at P=4 and saves it again (every weight and moment the same tensor), trains on
-    under PACI and saves; Megatron-LM loads that at P=1 x TP=2 and trains on. A vocabulary
-    padded to 64 x TP keeps the embedding's shape under both layouts."""
+    under PACI and saves; Megatron-LM loads that at P=1 x DP=2 and trains on. (The drop-in on
+    CPU runs no tensor parallelism; pretrain_gpt_paci.py's own TP resharding is
+    tests/test_reshard.py.)"""
     if versions.release_of(megatron_lm.megatron_lm_checkout_version(checkout.root)) \
             != versions.RELEASES[-1]:
         pytest.skip(f"the resharding round trip runs on {versions.RELEASES[-1].megatron_lm_tag}")
@@ -710,13 +711,14 @@ def test_checkpoints_reshard_from_megatron_lm_through_paci_and_back(checkout, tm
                  nproc=4, timeout=300, env=env)
     found = same_tensors(tmp_path / "mlm" / "iter_0000004", tmp_path / "paci" / "iter_0000004",
                          "29614")
-    assert found["total"] > 80 and found["same"] == found["total"], found
+    assert found["total"] > 40 and found["same"] == found["total"], found  # layers stacked
     _, out, _ = run_torchrun("pretrain_gpt_paci.py", paci + [
-        "--load", str(tmp_path / "paci"), "--train-iters", "6"], nproc=4, timeout=300, env=env)
+        "--load", str(tmp_path / "paci"), "--train-iters", "6", "--override-opt_param-scheduler"],
+        nproc=4, timeout=300, env=env)
     assert re.search(r"iteration\s+6/\s+6 \|", out) and "saved checkpoint at iteration 6" in out
-    flags = _with(MODEL_FLAGS, pipeline_model_parallel_size=1, tensor_model_parallel_size=2,
-                  train_iters=8, **shape) + ["--load", str(tmp_path / "paci"),
-                                             "--override-opt_param-scheduler"]
+    flags = _with(MODEL_FLAGS, pipeline_model_parallel_size=1, train_iters=8, **shape) + [
+        "--load", str(tmp_path / "paci"), "--override-opt_param-scheduler",
+        "--no-load-rng"]  # DP=2; the RNG states are per rank of the old layout
     out = _ok(checkout, [], tmp_path, model_flags=flags)
     rows = iterations(out)
     assert [r["iteration"] for r in rows] == ["7", "8"], out[-3000:]

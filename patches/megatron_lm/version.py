@@ -50,7 +50,6 @@ def _params(fn) -> List[str]:
 
 # function -> the parameters its patch relies on: (names that must lead the signature, in
 # order, because the patch passes them by position; names it passes by keyword, anywhere).
-# A function marked optional may be absent (a release that removed it needs no patch).
 _NEEDED: Dict[str, Tuple[List[str], List[str]]] = {
     "megatron.training.arguments.parse_args": (["extra_args_provider", "ignore_unknown_args"], []),
     "megatron.training.initialize.initialize_megatron": ([], ["allow_no_cuda"]),
