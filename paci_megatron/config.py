@@ -318,6 +318,12 @@ def rampup_micro_batches(rampup: Optional[Sequence[int]], global_batch_size: int
         return []
     start, incr, samples = (int(x) for x in rampup)
     flag = f"--rampup-batch-size {start} {incr} {samples}"
+    from .mcore.compat import has_batch_size_rampup
+
+    if not has_batch_size_rampup():
+        raise ConfigError(f"{flag}: the installed megatron-core no longer ramps the batch size "
+                          "(0.18 deprecated the flag and ignores it); drop it, or use "
+                          "megatron-core 0.17 or earlier")
     if start == global_batch_size:
         raise ConfigError(f"{flag}: START equals --global-batch-size, so there is nothing to "
                           "ramp up; drop --rampup-batch-size or lower START")

@@ -10,7 +10,7 @@ from megatron.core.pipeline_parallel import schedules as mcore_schedules
 
 from ..executor import ReplayIterator
 from ..schedule import Action, Op, exchanges
-from . import local_step
+from . import compat, local_step
 
 
 class PeerFailure(RuntimeError):
@@ -66,7 +66,7 @@ class MegatronHandlers:
             rt.meta.before_backward(state, mb, rt.loss_scale(), is_first=rt.is_first,
                                     is_last=rt.is_last, token_weight=token_weight)
         with rt.grad_sync(enabled=rt.plan_closes_group(mb)):
-            grad = mcore_schedules.backward_step(
+            grad = compat.backward_step(
                 state.inputs.pop(mb, None), state.outputs.pop(mb), state.output_grads.pop(mb, None),
                 rt.model_type, rt.model_config,
             )

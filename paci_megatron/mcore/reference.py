@@ -32,7 +32,7 @@ from ..emulate import run_global
 from ..features.weight_prediction import grad_factor, predict_ahead
 from ..schedule import Action, StreamPlan, plan_stream
 from ..shape import StreamShape, closes_group, steps_in_flight, tied_lag
-from . import build
+from . import build, compat
 from . import main_params
 from .admission import stage_grad_stats_group
 from .main_params import gather_weights
@@ -407,7 +407,7 @@ class PipelineEmulator:
             stage.meta_out[mb] = (scale, tokens)
         self._weigh_stale(stage, drift)
         with sync:
-            grad = mcore_schedules.backward_step(
+            grad = compat.backward_step(
                 stage.inputs.pop(mb, None), stage.outputs.pop(mb), stage.output_grads.pop(mb, None),
                 get_model_type(model), get_model_config(model))
         if stage.index > 0:
