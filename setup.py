@@ -6,11 +6,14 @@ import re
 from setuptools import setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# torch: the versions the code is tested with (2.13 on CPU, 2.11 on an H200) and those between;
-# megatron-core: what the patches' version guard accepts (patches/cpu_gloo.py, MCORE_RANGE).
-# A machine's exact pins (the CPU torch wheel) are constraints-cpu.txt, not requirements.
+# torch: the versions the code is tested with (2.13 on CPU with every megatron-core release,
+# 2.11 on an H200 with 0.16.1) and those between; every megatron-core release from 0.16.1 to
+# 0.19 itself asks for torch>=2.6, so one range serves them all.
+# megatron-core: what the patches' version guard accepts (patches/versions.py, MCORE_RANGE);
+# pip picks 0.16.x on Python 3.10/3.11 (0.17 and later require 3.12) and keeps an installed
+# release of the range as it is. A machine's exact pins are constraints-*.txt, not requirements.
 TORCH_RANGE = ">=2.11,<2.14"
-with open(os.path.join(HERE, "patches", "cpu_gloo.py")) as handle:
+with open(os.path.join(HERE, "patches", "versions.py")) as handle:
     MCORE_RANGE = re.search(r'^MCORE_RANGE = "([^"]+)"', handle.read(), re.M).group(1)
 
 setup(
@@ -38,12 +41,14 @@ setup(
         "bench": ["matplotlib"],
         "data": ["sentencepiece"],
         "tensorboard": ["tensorboard"],
-        # what Megatron-LM's pretrain_gpt.py (tag core_v0.16.1) imports beyond megatron-core's
-        # own requirements, for python -m paci_megatron.run: megatron/training imports six
-        # (bert_tokenization), regex (gpt2_tokenization), yaml (yaml_arguments, initialize)
-        # and pydantic (megatron/rl, via training.py) unconditionally; tensorboard for
-        # --tensorboard-dir. Flag-specific extras (wandb, tiktoken, transformers, TE, Apex)
-        # stay the user's choice, as in Megatron-LM.
+        # what Megatron-LM's pretrain_gpt.py imports beyond megatron-core's own requirements,
+        # for python -m paci_megatron.run, on every supported tag (the union): core_v0.16.1's
+        # megatron/training imports six (bert_tokenization), regex (gpt2_tokenization), yaml
+        # (yaml_arguments, initialize) and pydantic (megatron/rl, via training.py)
+        # unconditionally; core_v0.17.1 and core_v0.18.2 only yaml; core_v0.19.0 none of them
+        # (tests/test_megatron_lm.py, STARTUP_IMPORTS); tensorboard for --tensorboard-dir.
+        # Flag-specific extras (wandb, tiktoken, transformers, TE, Apex) stay the user's
+        # choice, as in Megatron-LM.
         "megatron-lm": ["six", "regex", "pyyaml", "pydantic", "tensorboard"],
         # Transformer Engine and Apex need CUDA; used only when importable
     },

@@ -19,7 +19,8 @@
 #                    the network interface the nodes reach each other on (e.g. eth0, ib0);
 #                    set it when a node has several, or when its hostname resolves to
 #                    127.0.0.1 (then gloo would listen on loopback only)
-#   MEGATRON_LM_PATH a Megatron-LM checkout (tag core_v0.16.1): run its unchanged
+#   MEGATRON_LM_PATH a Megatron-LM checkout (tag core_v0.16.1 to core_v0.19.0, of the installed
+#                    megatron-core's minor release): run its unchanged
 #                    pretrain_gpt.py through paci_megatron.run instead of pretrain_gpt_paci.py
 #                    (then give that script's usual flags: data, tokenizer, model size, ...)
 set -euo pipefail

@@ -103,8 +103,6 @@ class Layout:
     ramp: Tuple[int, ...] = ()  # every M --rampup-batch-size goes through
     tied: bool = False  # input and output embeddings tied across stages (P > 1)
     fp16: bool = False
-    distributed_optimizer: bool = False
-    overlap_grad_reduce: bool = False
     train_iters: Optional[int] = None  # None: the run's length is not known in iterations
 
 
@@ -160,7 +158,6 @@ def resolve(args, layout: Layout) -> PaciConfig:
         return PaciConfig(schedule, StreamShape(layout.pipeline_size, layout.microbatches,
                                                 layout.microbatches, layout.micro_batch_size,
                                                 layout.data_parallel_size))
-    _check_tied(layout)
     _check_fp16_scales(args, layout)
     for feature in FEATURES:
         feature.check(args, layout)
@@ -269,19 +266,6 @@ def refuse_paci_flags(args, schedule: str) -> None:
                           f"{schedule}; drop {'them' if len(given) > 1 else 'it'}")
 
 
-def _check_tied(layout: Layout) -> None:
-    """The tied weight's output-layer gradient is sent to stage 0 before any data-parallel
-    reduction and at the last stage's loss scale."""
-    if not layout.tied:
-        return
-    for flag, on in (("--use-distributed-optimizer", layout.distributed_optimizer),
-                     ("--overlap-grad-reduce", layout.overlap_grad_reduce),
-                     ("--fp16", layout.fp16)):
-        if on:
-            raise ConfigError(f"--pipeline-schedule paci with tied embeddings does not support "
-                              f"{flag} yet; drop it or add --untie-embeddings-and-output-weights")
-
-
 def _is_power_of_two(x: float) -> bool:
     return x > 0 and math.frexp(x)[0] == 0.5
 
@@ -334,6 +318,12 @@ def rampup_micro_batches(rampup: Optional[Sequence[int]], global_batch_size: int
         return []
     start, incr, samples = (int(x) for x in rampup)
     flag = f"--rampup-batch-size {start} {incr} {samples}"
+    from .mcore.compat import has_batch_size_rampup
+
+    if not has_batch_size_rampup():
+        raise ConfigError(f"{flag}: the installed megatron-core no longer ramps the batch size "
+                          "(0.18 deprecated the flag and ignores it); drop it, or use "
+                          "megatron-core 0.17 or earlier")
     if start == global_batch_size:
         raise ConfigError(f"{flag}: START equals --global-batch-size, so there is nothing to "
                           "ramp up; drop --rampup-batch-size or lower START")

@@ -192,16 +192,15 @@ def check_lists(schedule: Schedule) -> Tuple[List[Dict[int, int]], List[int]]:
 def _check_tied(schedule: Schedule, s: int, act: Action, previous: Optional[Action],
                 last_work: Optional[Action], where: str) -> None:
     """Where the tied messages of a group sit, in the same order at both ends: on the last
-    stage SG right after the exchange that follows its closing backward, then RW (the
-    receive of stage 0's weight of that group, installed ``tied_lag`` steps later); on stage 0
-    RG after its closing backward, before its R, and SW right after its T."""
+    stage SG right after its R (the gradient as its data-parallel reduction left it), then RW
+    (the receive of stage 0's weight of that group, installed ``tied_lag`` steps later); on
+    stage 0 RG after its closing backward, before its R, and SW right after its T."""
     P, a, m = schedule.num_stages, schedule.accumulation, act.mb
     owner, last = s == 0, s == P - 1
     if not schedule.tied or P < 2 or not closes_group(m, a):
         raise ScheduleError(f"{where}: {act} in a list without a tied weight, or not at a "
                             "group's end")
-    if act.op is Op.SEND_TIED_GRAD and last and last_work == Action(Op.BACKWARD, m) \
-            and previous is not None and previous.op in P2P_OPS:
+    if act.op is Op.SEND_TIED_GRAD and last and previous == Action(Op.REDUCE, m):
         return
     if act.op is Op.RECV_TIED_WEIGHT and last and previous == Action(Op.SEND_TIED_GRAD, m):
         return

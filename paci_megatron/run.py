@@ -21,8 +21,9 @@ compilation of them is skipped when they import (any schedule). Without Triton (
 wheel), the module Megatron-LM imports Triton through is replaced by a stand-in that keeps
 ``--batch-invariant-mode`` off.
 
-Supported: Megatron-LM 0.16.1 (tag core_v0.16.1) with megatron-core 0.16.1; any other version
-stops with an error that says so.
+Supported: megatron-core 0.16.1 to 0.19.x with a Megatron-LM checkout of the same minor release
+(``patches/versions.py``); any other version stops with an error that says so. From 0.17 on the
+megatron-core wheel ships a ``megatron.training`` of its own: the checkout's is used.
 """
 
 from __future__ import annotations
@@ -85,8 +86,6 @@ def megatron_lm_layout(args, num_microbatches: Optional[int] = None) -> Layout:
                   virtual=virtual, ramp=tuple(ramp),
                   tied=pp > 1 and not args.untie_embeddings_and_output_weights,
                   fp16=bool(getattr(args, "fp16", False)),
-                  distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
-                  overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
                   train_iters=getattr(args, "train_iters", None))
 
 
@@ -137,6 +136,10 @@ def refuse_stage_crossing_collectives(args: argparse.Namespace) -> None:
         raise ValueError("--pipeline-schedule paci does not support --mtp-num-layers with "
                          "pipeline parallelism: the embedding gradient is all-reduced between "
                          "the first and last stage at every local step")
+    if getattr(args, "step_batch_size_schedule", None):  # Megatron-LM 0.19
+        raise ValueError("--pipeline-schedule paci does not support --step-batch-size-schedule "
+                         "yet: the accumulation factor is checked against every number of "
+                         "micro-batches before training; drop it")
     if pp > 1 and getattr(args, "num_experts", None) is not None:
         raise ValueError("--pipeline-schedule paci does not support MoE (--num-experts) with "
                          "pipeline parallelism yet: Megatron-LM's training_log all-reduces "

@@ -8,7 +8,8 @@ An action is printed like ``F3`` (forward of micro-batch 3), ``B3`` (backward),
 stage), ``SB3``/``RB3`` (send/receive its gradient to/from the previous/next stage), ``R7``
 (finish the group closed by the backward of micro-batch 7: its data-parallel gradient sync)
 and ``T7`` (the local optimizer step after it). With tied embeddings (P > 1), ``SG7``/``RG7``
-carry the last stage's output-layer gradient of that group to stage 0, and ``SW7``/``RW7``
+carry the last stage's output-layer gradient of that group (reduced over data parallel, at its
+``R7``) to stage 0, and ``SW7``/``RW7``
 stage 0's tied weight after its step ``T7`` to the last stage, which installs it after its
 own step ``tied_lag`` steps later (``install_step``).
 """
@@ -139,9 +140,10 @@ def _backward_actions(stage: int, num_stages: int, mb: int, accumulation: int,
                       tied: bool) -> List[Action]:
     """RB, B, SB, and after the backward that closes a group: R, T. Tied, the group's two
     messages in the same order at both ends: the last stage sends its output-layer gradient
-    once its own gradient went back (SG, after SB and the receive ``receive_before_step``
-    puts there) and posts the receive of stage 0's weight of that group (RW); stage 0 adds
-    that gradient before its R (RG) and sends the weight it stepped to after its T (SW)."""
+    as its data-parallel reduction left it (SG, right after its R) and posts the receive of
+    stage 0's weight of that group (RW); stage 0 receives that gradient before its R (RG),
+    which adds it to its own reduced one, and sends the weight it stepped to after its T
+    (SW)."""
     first, last = stage == 0, stage == num_stages - 1
     acts = [] if last else [Action(Op.RECV_B, mb)]
     acts.append(Action(Op.BACKWARD, mb))
@@ -150,11 +152,12 @@ def _backward_actions(stage: int, num_stages: int, mb: int, accumulation: int,
         acts.append(Action(Op.SEND_B, mb))
     if not closes:
         return acts
-    if tied and last:
-        acts += [Action(Op.SEND_TIED_GRAD, mb), Action(Op.RECV_TIED_WEIGHT, mb)]
     if tied and first:
         acts.append(Action(Op.RECV_TIED_GRAD, mb))
-    acts += [Action(Op.REDUCE, mb), Action(Op.STEP, mb)]
+    acts.append(Action(Op.REDUCE, mb))
+    if tied and last:
+        acts += [Action(Op.SEND_TIED_GRAD, mb), Action(Op.RECV_TIED_WEIGHT, mb)]
+    acts.append(Action(Op.STEP, mb))
     if tied and first:
         acts.append(Action(Op.SEND_TIED_WEIGHT, mb))
     return acts
@@ -184,8 +187,8 @@ def _one_f_one_b(stage: int, num_stages: int, mbs: Sequence[int], accumulation: 
 def receive_before_step(actions: Sequence[Action]) -> List[Action]:
     """Move the receive of the next forward input from just after a local step to just before
     the group's gradients are finished: ``B j SB j R j T j RF k`` becomes
-    ``B j SB j RF k R j T j`` (and the last stage's tied messages, ``SG j RW j``, follow
-    ``RF k``).
+    ``B j SB j RF k R j T j`` (the last stage's tied messages, ``SG j RW j``, stay between
+    ``R j`` and ``T j``).
 
     ``SB j`` and ``RF k`` then form one exchange (Megatron's send_backward_recv_forward), the
     partner of the previous stage's ``SF k``+``RB j``. With NCCL that partner exchange completes

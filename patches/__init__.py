@@ -6,6 +6,7 @@ from a source checkout with the repo root on ``PYTHONPATH``, as ``patches``.
 
 from .cpu_gloo import (
     CPU_PATCHES,
+    MCORE_RANGE,
     SUPPORTED_MCORE_VERSIONS,
     UnsupportedMegatronVersion,
     applied_cpu_patches,
@@ -16,6 +17,7 @@ from .cpu_gloo import (
 
 __all__ = [
     "CPU_PATCHES",
+    "MCORE_RANGE",
     "SUPPORTED_MCORE_VERSIONS",
     "UnsupportedMegatronVersion",
     "applied_cpu_patches",

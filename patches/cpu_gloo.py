@@ -1,4 +1,5 @@
-"""Runtime patches that let stock Megatron-Core 0.16.1 run on CPU with the gloo backend.
+"""Runtime patches that let stock Megatron-Core (0.16.1 to 0.19, ``versions.py``) run on CPU
+with the gloo backend.
 
 Megatron-Core assumes CUDA in a few dozen places (``torch.cuda.current_device()``, literal
 ``device="cuda"``, the CUDA RNG, ``Tensor.cuda()``, ``param.type() == 'torch.cuda.FloatTensor'``).
@@ -28,13 +29,13 @@ from typing import Callable, Dict, Iterable, List, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
-SUPPORTED_MCORE_VERSIONS = ("0.16.1",)  # tested
-# what the guard accepts (setup.py's requirement reads it): the tested release and the later
-# patch releases of its minor version, whose APIs megatron-core keeps; the Megatron-LM drop-in
-# also checks the signature of everything it patches
-MCORE_RANGE = ">=0.16.1,<0.17"
+from .versions import (MCORE_RANGE, NEWEST_TESTED, REFUSED, RELEASES, TESTED_MCORE_VERSIONS,
+                       tested_pairs)
+
+SUPPORTED_MCORE_VERSIONS = TESTED_MCORE_VERSIONS  # tested (the guard accepts MCORE_RANGE)
 
 __all__ = [
+    "MCORE_RANGE",
     "SUPPORTED_MCORE_VERSIONS",
     "UnsupportedMegatronVersion",
     "installed_megatron_core_version",
@@ -76,23 +77,36 @@ def installed_megatron_core_version() -> Optional[str]:
 
 
 def check_megatron_core_version() -> str:
-    """Raise :class:`UnsupportedMegatronVersion` unless megatron-core is a supported version."""
+    """Raise :class:`UnsupportedMegatronVersion` unless megatron-core is a supported version
+    (inside ``MCORE_RANGE`` and not refused by ``versions.REFUSED``)."""
     from packaging.specifiers import SpecifierSet
     from packaging.version import InvalidVersion, Version
 
     version = installed_megatron_core_version()
     try:
-        supported = version is not None and Version(version) in SpecifierSet(MCORE_RANGE)
+        supported = version is not None and SpecifierSet(MCORE_RANGE).contains(
+            Version(version), prereleases=False)  # a pre-release is not a tested release
     except InvalidVersion:
         supported = False
+    fix = _install_hint()
+    if version is not None and version in REFUSED:
+        raise UnsupportedMegatronVersion(
+            f"megatron-core {version} is installed, which paci_megatron refuses: "
+            f"{REFUSED[version]}. {fix}")
     if not supported:
         found = "not installed" if version is None else f"version {version} is installed"
         raise UnsupportedMegatronVersion(
-            f"paci_megatron patches support megatron-core {MCORE_RANGE} (tested: "
-            f"{', '.join(SUPPORTED_MCORE_VERSIONS)}), but megatron-core {found}. "
-            f"Install a supported one (pip install megatron-core=={SUPPORTED_MCORE_VERSIONS[-1]})."
-        )
+            f"paci_megatron supports megatron-core {MCORE_RANGE} (tested: {tested_pairs()}), "
+            f"but megatron-core {found}. {fix}")
     return version
+
+
+def _install_hint() -> str:
+    """The install line that fits this Python (megatron-core 0.17 and later need 3.12)."""
+    if sys.version_info < (3, 12):
+        return (f"Install a supported one: pip install megatron-core=={RELEASES[0].tested[-1]} "
+                "(megatron-core 0.17 and later need Python 3.12)")
+    return f"Install a supported one: pip install megatron-core=={NEWEST_TESTED}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -118,8 +132,23 @@ def _cpu_factory(fn: Callable) -> Callable:
     return factory
 
 
+class _CpuStream:
+    """A CUDA stream on CPU: work is already ordered, there is nothing to wait for."""
+
+    def wait_stream(self, stream):
+        return None
+
+    def wait_event(self, event):
+        return None
+
+    def synchronize(self):
+        return None
+
+
 class _CpuCuda:
-    """Stands in for ``torch.cuda`` inside one module: CPU-safe current_device/synchronize."""
+    """Stands in for ``torch.cuda`` inside one module: CPU-safe current_device/synchronize,
+    and a no-op current stream (megatron-core 0.19's grad buffers wait on it for CUDA-graph
+    events before each reduction)."""
 
     def __getattr__(self, name):
         return getattr(torch.cuda, name)
@@ -131,6 +160,10 @@ class _CpuCuda:
     @staticmethod
     def synchronize(device=None):
         return None
+
+    @staticmethod
+    def current_stream(device=None):
+        return _CpuStream()
 
 
 class _CpuTorch(types.ModuleType):
@@ -328,6 +361,18 @@ def patch_optimizer_construction():
     return changed
 
 
+def patch_grad_norm_groups():
+    """optimizer.py (megatron-core 0.19): ``has_grad_norm_group`` reduces a flag made with
+    device='cuda' at an optimizer's first step (then caches it). Absent before 0.19."""
+    from megatron.core.optimizer.optimizer import MegatronOptimizer
+
+    fn = MegatronOptimizer.__dict__.get("has_grad_norm_group")
+    if fn is None or getattr(fn, "_paci_cpu_wrapped", False):
+        return False
+    MegatronOptimizer.has_grad_norm_group = _run_as_cpu(fn)  # runs once per group
+    return True
+
+
 def patch_clip_grads():
     """clip_grads.py: buffers on device='cuda'; clip_grad_by_total_norm_fp32 asserts cuda type."""
     from megatron.core.optimizer import clip_grads
@@ -439,6 +484,7 @@ CPU_PATCHES: Dict[str, Callable[[], bool]] = {
     "tied_embeddings": patch_tied_embeddings,
     "optimizer_construction": patch_optimizer_construction,
     "clip_grads": patch_clip_grads,
+    "grad_norm_groups": patch_grad_norm_groups,
     "grad_scaler": patch_grad_scaler,
     "dist_checkpointing": patch_dist_checkpointing,
     "fused_cpu_adam": patch_fused_cpu_adam,

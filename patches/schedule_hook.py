@@ -1,9 +1,10 @@
 """Make Megatron's ``get_forward_backward_func()`` return a chosen schedule.
 
-Megatron-Core 0.16 has no schedule registry: callers (Megatron-LM's training loop, user
-scripts) call ``get_forward_backward_func(pp_size, vp_size)``, which picks one of its three
-built-in functions. We replace that function where it is looked up; ``uninstall`` restores
-it. Only done for schedules that are not Megatron's own, so ``1f1b`` stays stock.
+Megatron-Core 0.16 to 0.19 has no schedule registry: callers (Megatron-LM's training loop,
+user scripts) call ``get_forward_backward_func(pp_size, vp_size)`` (0.19 adds
+``schedule_pg_collection``), which picks one of its built-in functions. We replace that
+function where it is looked up; ``uninstall`` restores it. Only done for schedules that are
+not Megatron's own, so ``1f1b`` stays stock.
 """
 
 import sys
@@ -24,7 +25,13 @@ def install_forward_backward_func(func: Callable) -> Callable[[], None]:
     check_megatron_core_version()
     import megatron.core.pipeline_parallel  # noqa: F401  (make sure the holders exist)
 
-    def get_forward_backward_func(pp_size=None, vp_size=None):
+    def get_forward_backward_func(pp_size=None, vp_size=None, schedule_pg_collection=None):
+        if type(schedule_pg_collection).__name__ == "MultiModuleProcessGroupCollection":
+            # megatron-core 0.17+: a pipeline of several modules on their own grids
+            raise NotImplementedError(
+                "--pipeline-schedule paci runs one model on one pipeline; a "
+                "MultiModuleProcessGroupCollection (several modules on their own process "
+                "grids) needs Megatron's own schedule: use --pipeline-schedule 1f1b")
         return func
 
     get_forward_backward_func.paci_hooked = True

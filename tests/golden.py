@@ -125,9 +125,11 @@ def run_config(name: str) -> dict:
 
 
 def _run_megatron_lm(flags: List[str], work: str) -> dict:
-    root = os.environ.get("MEGATRON_LM_PATH")
+    # the first entry of the list tests/test_megatron_lm.py takes, without a SITE
+    root = os.environ.get("MEGATRON_LM_PATH", "").split(os.pathsep)[0].partition("@")[0]
     if not root:
-        raise SystemExit("mlm_* configs need MEGATRON_LM_PATH (a core_v0.16.1 checkout)")
+        raise SystemExit("mlm_* configs need MEGATRON_LM_PATH (a Megatron-LM checkout of the "
+                         "installed megatron-core's minor release)")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            "-m", "paci_megatron.run", os.path.join(root, "pretrain_gpt.py"), *MLM_FLAGS, *flags]
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")

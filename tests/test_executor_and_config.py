@@ -157,6 +157,10 @@ def test_paci_accepts_tied_embeddings_across_stages():
     args, _ = _validate([])  # tied is the default: PACI exchanges the tied weight itself
     assert not args.untie_embeddings_and_output_weights
     _validate([], world=4)
+    # with the distributed optimizer, the overlaps and fp16 (data-parallel size 2)
+    args, _ = _validate(["--use-distributed-optimizer", "--overlap-grad-reduce",
+                         "--overlap-param-gather", "--fp16"], world=4)
+    assert args.use_distributed_optimizer and args.fp16
 
 
 def test_registry_is_open_and_names_known_schedules():

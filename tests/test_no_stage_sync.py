@@ -8,7 +8,7 @@ import pytest
 
 from launch import megatron_lm_args, parse_results, read_metrics, run_torchrun
 from paci_megatron import run as paci_run
-from test_megatron_lm import needs_megatron_lm, run_pretrain_gpt
+from test_megatron_lm import checkout, run_pretrain_gpt  # noqa: F401 (checkout: a fixture)
 
 P = 2
 ITERS = 6
@@ -88,9 +88,8 @@ def test_runtime_refuses_collectives_inside_the_local_step():
 
 
 @pytest.mark.dist
-@needs_megatron_lm
-def test_megatron_lm_parser_refuses_timing_barriers(tmp_path):
-    rc, out, err = run_pretrain_gpt(["--pipeline-schedule", "paci", "--timing-log-level", "1"],
-                                    tmp_path)
+def test_megatron_lm_parser_refuses_timing_barriers(checkout, tmp_path):
+    rc, out, err = run_pretrain_gpt(checkout, ["--pipeline-schedule", "paci",
+                                               "--timing-log-level", "1"], tmp_path)
     assert rc != 0
     assert "error: --pipeline-schedule paci cannot run --timing-log-level 1" in out + err

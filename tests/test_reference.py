@@ -1,9 +1,10 @@
 """Multi-process PACI equals its one-process reference (``mcore/reference.py``) bit for bit.
 
-Four torchrun launches (tests/workers/reference_cases.py): the emulator with 1 and with 2
-processes (tensor/data parallel stay real), the runtime with 2 and with 4 processes. Every case
+Seven torchrun launches (tests/workers/reference_cases.py): the emulator with 1 and with 2
+processes (tensor/data parallel stay real), the runtime with 2, 4 and 8 processes. Every case
 compares every micro-batch loss and, after every local step of every stage, the grad norm that
-stage clipped with, its learning rate and a SHA-256 of its weights.
+stage clipped with, its learning rate and a SHA-256 of its weights. The tied-embedding twins
+(``*_stock``) compare PACI's first step with stock Megatron's (the flush baseline).
 """
 
 import glob
@@ -33,7 +34,16 @@ PARALLEL = ["p2_dp2", "p2_dp2_distopt", "p2_tp2", "p2_dp2_tied", "p2_dp2_stale",
             "p2_dp2_distopt_bf16_predict_group", "p2_dp2_distopt_bf16_lookahead"]
 # a loss scaler per stage; per-token loss
 PRECISION = ["p2_fp16", "p2_per_token", "p2_per_token_stale", "p2_fp16_correct",
-             "p2_tied_per_token_stale", "p2_fp16_predict", "p2_fp16_predict_group"]
+             "p2_tied_per_token_stale", "p2_fp16_predict", "p2_fp16_predict_group",
+             "p2_tied_fp16"]
+# tied embeddings with Megatron's realistic flags at DP=2: P=2 (4 runtime processes, launched
+# apart) and P=4 (8 runtime processes, about a minute on 2 cores); 2 emulator processes
+TIED_DP2 = ["p2_dp2_tied_distopt", "p2_dp2_tied_overlap", "p2_dp2_tied_distopt_bf16_overlap",
+            "p2_dp2_tied_fp16_distopt_overlap"]
+WIDE = ["p4_dp2_tied_distopt_bf16_overlap", "p4_dp2_tied_fp16_distopt_overlap"]
+# the same at P=2, runtime only: PACI and the flush baseline (stock), one call each
+STOCK_TWINS = ["p2_dp2_tied_overlap_stock", "p2_dp2_tied_distopt_bf16_stock",
+               "p2_dp2_tied_fp16_distopt_stock"]
 RUNTIME_P2 = [c for c in PP_ONLY if c.startswith("p2")] + PRECISION
 RUNTIME_P4 = [c for c in PP_ONLY if c.startswith("p4")] + PARALLEL
 
@@ -41,8 +51,11 @@ RUNTIME_P4 = [c for c in PP_ONLY if c.startswith("p4")] + PARALLEL
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
+    twins = [c + suffix for c in STOCK_TWINS for suffix in ("", "_flush")]
     launches = [("emulator", 1, PP_ONLY + PRECISION, 300), ("emulator", 2, PARALLEL, 300),
-                ("runtime", 2, RUNTIME_P2, 300), ("runtime", 4, RUNTIME_P4, 480)]
+                ("emulator", 2, TIED_DP2 + WIDE, 300), ("runtime", 2, RUNTIME_P2, 300),
+                ("runtime", 4, RUNTIME_P4, 480), ("runtime", 4, TIED_DP2 + twins, 420),
+                ("runtime", 8, WIDE, 360)]
     for mode, nproc, cases, timeout in launches:
         run_torchrun(WORKER, ["--mode", mode, "--out", str(out), *cases], nproc=nproc,
                      timeout=timeout, env={"PACI_TEST_HANG_S": str(timeout - 30)})
@@ -61,7 +74,7 @@ def _coords(cfg):
             for d in range(cfg["dp"])]
 
 
-@pytest.mark.parametrize("case", PP_ONLY + PARALLEL + PRECISION)
+@pytest.mark.parametrize("case", PP_ONLY + PARALLEL + PRECISION + TIED_DP2 + WIDE)
 def test_runtime_equals_emulator_bit_for_bit(case, results):
     emulated, real = results(case, "emulator"), results(case, "runtime")
     cfg = next(iter(real.values()))["config"]
@@ -79,23 +92,56 @@ def test_runtime_equals_emulator_bit_for_bit(case, results):
         assert r.get("tied_histogram", {}) == e.get("tied_histogram", {})
 
 
-@pytest.mark.parametrize("case,lag", [("p2_tied", 2), ("p2_tied_bf16", 1), ("p4_tied", 2),
-                                      ("p4_tied_correct", 2)])
+@pytest.mark.parametrize("case,lag", [
+    ("p2_tied", 2), ("p2_tied_bf16", 1), ("p4_tied", 2), ("p4_tied_correct", 2),
+    ("p2_dp2_tied_distopt", 1), ("p2_dp2_tied_overlap", 1), ("p2_dp2_tied_distopt_bf16_overlap", 2),
+    ("p2_tied_fp16", 1), ("p2_dp2_tied_fp16_distopt_overlap", 1),
+    ("p4_dp2_tied_distopt_bf16_overlap", 2), ("p4_dp2_tied_fp16_distopt_overlap", 2)])
 def test_tied_weight_staleness_reaches_its_bound_and_no_more(case, lag, results):
     """The last stage's copy of the tied weight trails stage 0's by lag = ceil(P/a) steps:
     every micro-batch of group g used owner version max(0, g - lag) (so group g < lag is less
-    stale), measured per micro-batch by the runtime and equal to the emulator's above."""
+    stale), measured per micro-batch by the runtime and equal to the emulator's above; every
+    stage's drift reaches its bound ceil((P-1-s)/a). After the final drain both copies are
+    bit-identical on every data-parallel rank (with the distributed optimizer: its shard of
+    the master copy, and the whole weight). The exchange holds at most L gradients in flight
+    and L + 1 weights on the last stage, one weight in flight on stage 0."""
     rows = results(case, "runtime")
     cfg = rows["pp0tp0dp0"]["config"]
-    last = rows[f"pp{cfg['pp'] - 1}tp0dp0"]["tied_histogram"]
-    # each stream (a drain starts a new one) has groups 0..lag-1 below the bound
     streams = 1 + len(cfg["drain_after"] or ())
-    warm = {str(g): cfg["a"] * streams for g in range(lag)}
-    assert last == {**warm, str(lag): cfg["calls"] * cfg["n"] - lag * cfg["a"] * streams}
-    # after the final drain both copies (and their optimizers' master copies) are equal
-    digests = [rows[f"pp{s}tp0dp0"]["tied_after_drain"] for s in range(cfg["pp"])]
-    assert digests[0] is not None and digests[0] == digests[-1]
-    assert digests[1:-1] == [None] * (cfg["pp"] - 2)
+    for dp in range(cfg["dp"]):
+        last = rows[f"pp{cfg['pp'] - 1}tp0dp{dp}"]
+        # each stream (a drain starts a new one) has groups 0..lag-1 below the bound
+        warm = {str(g): cfg["a"] * streams for g in range(lag)}
+        assert last["tied_histogram"] == {
+            **warm, str(lag): cfg["calls"] * cfg["n"] - lag * cfg["a"] * streams}
+        # after the final drain both copies (and their optimizers' master copies) are equal
+        digests = [rows[f"pp{s}tp0dp{dp}"]["tied_after_drain"] for s in range(cfg["pp"])]
+        assert digests[0] is not None and digests[0] == digests[-1]
+        assert digests[1:-1] == [None] * (cfg["pp"] - 2)
+        for s in range(cfg["pp"]):
+            assert rows[f"pp{s}tp0dp{dp}"]["max_drift"] == math.ceil((cfg["pp"] - 1 - s) / cfg["a"])
+        assert last["tied_buffers"]["grads"] <= lag and last["tied_buffers"]["weights"] <= lag + 1
+        assert rows[f"pp0tp0dp{dp}"]["tied_buffers"] == dict(grads=0, weights=1)
+    if cfg["dp"] > 1 and cfg["dist_opt"]:  # each rank's shard: the ranks' digests differ
+        assert rows["pp0tp0dp0"]["tied_after_drain"] != rows["pp0tp0dp1"]["tied_after_drain"]
+
+
+@pytest.mark.parametrize("case", STOCK_TWINS)
+def test_tied_gradient_is_stocks_sum_bit_for_bit(case, results):
+    """Tied embeddings at DP=2 (all-reduce with --overlap-grad-reduce; the distributed
+    optimizer's reduce-scatter with bf16 master shards; fp16 at equal scales): stage 0's first
+    step takes group 0's gradient at the starting weights, as stock does, and PACI's sum of
+    the two stages' reduced halves gives stock's weights after it on every data-parallel rank,
+    bit for bit. (Before the halves were reduced apart, at DP=2 it differed.) The step moved
+    the weights, and the second differs (PACI's drift)."""
+    paci, stock = results(case, "runtime"), results(case + "_flush", "runtime")
+    cfg = paci["pp0tp0dp0"]["config"]
+    for dp in range(cfg["dp"]):
+        ours, theirs = paci[f"pp0tp0dp{dp}"], stock[f"pp0tp0dp{dp}"]
+        assert ours["initial_weights"] == theirs["initial_weights"]
+        assert ours["steps"][0]["ok"] and ours["steps"][0]["weights"] != ours["initial_weights"]
+        assert ours["steps"][0]["weights"] == theirs["steps"][0]["weights"]
+        assert ours["steps"][1]["weights"] != theirs["steps"][1]["weights"]
 
 
 def test_the_cases_exercise_drift_drain_and_distinct_weights(results):
@@ -113,11 +159,15 @@ def test_the_cases_exercise_drift_drain_and_distinct_weights(results):
     assert results("p2_drain_eval", "runtime")["pp0tp0dp0"]["histogram"] == {"0": 15, "1": 9}
 
 
-def test_fp16_case_has_stages_skipping_on_their_own(results):
-    """p2_fp16 compares something: both stages skip overflowing steps, at different steps
-    (so their scales differ and received gradients are rescaled), and both update."""
-    rows = results("p2_fp16", "runtime")
-    ok = [[s["ok"] for s in rows[f"pp{st}tp0dp0"]["steps"]] for st in (0, 1)]
+@pytest.mark.parametrize("case", ["p2_fp16", "p2_tied_fp16", "p4_dp2_tied_fp16_distopt_overlap"])
+def test_fp16_case_has_stages_skipping_on_their_own(case, results):
+    """The fp16 cases compare something: stage 0 and the last stage skip overflowing steps,
+    at different steps (so their scales differ and received gradients are rescaled; tied: the
+    last stage installs stage 0's weight after a step it skipped, and a weight stage 0 did not
+    update after one it took), and both update."""
+    rows = results(case, "runtime")
+    last = rows["pp0tp0dp0"]["config"]["pp"] - 1
+    ok = [[s["ok"] for s in rows[f"pp{st}tp0dp0"]["steps"]] for st in (0, last)]
     assert ok[0] != ok[1] and all(False in o and True in o for o in ok)
 
 

@@ -103,10 +103,11 @@ def test_simulator_rejects_broken_lists():
 # forward input before them ("SB j RF k R j T j": one fused exchange, see
 # schedule.receive_before_step); the flush baseline has no such receive. With tied embeddings
 # (P=2, a=1: lag L = 2) the two ends handle each group's tied messages in the same order: the
-# last stage sends its output-layer gradient (SG) after the exchange that sends its SB, then
-# posts the receive of stage 0's weight of that group (RW); stage 0 adds the gradient before
-# its R (RG) and sends the weight after its T (SW). The last stage installs that weight after
-# its own step L later (schedule.install_step), from the buffer RW received it into.
+# last stage sends its output-layer gradient (SG) as its R's data-parallel reduction left it,
+# then posts the receive of stage 0's weight of that group (RW); stage 0 receives the gradient
+# before its R (RG), which adds it to its own reduced one, and sends the weight after its T
+# (SW). The last stage installs that weight after its own step L later
+# (schedule.install_step), from the buffer RW received it into.
 GOLDEN_CALLS = {
     ("paci", 2, 2, 4): (
         ["F0 SF0 F1 SF1 RB0 B0 F2 SF2 RB1 B1 R1 T1 F3 SF3 RB2 B2 F4 SF4 RB3 B3 R3 T3",
@@ -125,9 +126,9 @@ GOLDEN_CALLS = {
         ["F2 SF2 RB1 B1 R1 T1", "F1 B1 SB1 RF2 R1 T1"]),
     ("paci", 2, 1, 2, True): (
         ["F0 SF0 F1 SF1 RB0 B0 RG0 R0 T0 SW0 F2 SF2 RB1 B1 RG1 R1 T1 SW1",
-         "RF0 F0 B0 SB0 RF1 SG0 RW0 R0 T0 F1 B1 SB1 RF2 SG1 RW1 R1 T1"],
+         "RF0 F0 B0 SB0 RF1 R0 SG0 RW0 T0 F1 B1 SB1 RF2 R1 SG1 RW1 T1"],
         ["F3 SF3 RB2 B2 RG2 R2 T2 SW2 F4 SF4 RB3 B3 RG3 R3 T3 SW3",
-         "F2 B2 SB2 RF3 SG2 RW2 R2 T2 F3 B3 SB3 RF4 SG3 RW3 R3 T3"]),
+         "F2 B2 SB2 RF3 R2 SG2 RW2 T2 F3 B3 SB3 RF4 R3 SG3 RW3 T3"]),
     ("flush", 2, 2, 2): (
         ["F0 SF0 F1 SF1 RB0 B0 RB1 B1 R1 T1", "RF0 F0 B0 SB0 RF1 F1 B1 SB1 R1 T1"],
         ["F2 SF2 F3 SF3 RB2 B2 RB3 B3 R3 T3", "RF2 F2 B2 SB2 RF3 F3 B3 SB3 R3 T3"]),
@@ -212,10 +213,11 @@ def test_segments_split_whole_schedule():
 
 @pytest.mark.parametrize("P,a", GRID)
 def test_tied_lists_keep_every_invariant_and_carry_each_message_once(P, a):
-    """With tied embeddings every group of the last stage sends one output-layer gradient that
-    stage 0 takes before its R, stage 0 sends one weight per step, and the last stage receives
-    each of them right after sending that group's gradient: both ends meet each group's two
-    messages in the same order. It installs them L = ceil(P/a) steps late (install_step)."""
+    """With tied embeddings every group of the last stage sends one output-layer gradient
+    (right after its R: as its data-parallel reduction left it) that stage 0 takes before its
+    R, stage 0 sends one weight per step, and the last stage receives each of them right after
+    sending that group's gradient: both ends meet each group's two messages in the same
+    order. It installs them L = ceil(P/a) steps late (install_step)."""
     for M in micro_batch_counts(P, a):
         sched = build_paci(P, a, M, tied=True)
         simulate(sched, Costs(1.0, 2.0))  # invariants; every message received, in order
@@ -236,17 +238,19 @@ def test_tied_lists_keep_every_invariant_and_carry_each_message_once(P, a):
         assert tied == [Action(op, (g + 1) * a - 1) for g in range(steps)
                         for op in (Op.RECV_TIED_GRAD, Op.SEND_TIED_WEIGHT)]
         for i, x in enumerate(last):
-            if x.op is Op.SEND_TIED_GRAD:  # after the exchange that sends its gradient back
-                assert last[i - 1].op in (Op.SEND_B, Op.RECV_F), (P, a, M, i)
+            if x.op is Op.SEND_TIED_GRAD:  # after its reduction, before its step
+                assert (last[i - 1], last[i + 2]) == (Action(Op.REDUCE, x.mb),
+                                                      Action(Op.STEP, x.mb)), (P, a, M, i)
 
 
 def test_misplaced_tied_actions_are_rejected():
-    rows = ["F0 SF0 RB0 B0 RG0 R0 T0 SW0", "RF0 F0 B0 SB0 SG0 RW0 R0 T0"]
+    rows = ["F0 SF0 RB0 B0 RG0 R0 T0 SW0", "RF0 F0 B0 SB0 R0 SG0 RW0 T0"]
     simulate(Schedule.parse("tied", 1, rows))
-    with pytest.raises(ScheduleError, match=r"SG0 out of place \(after B0\)"):  # before SB0
-        simulate(Schedule.parse("early", 1, [rows[0], rows[1].replace("SB0 SG0", "SG0 SB0")]))
+    with pytest.raises(ScheduleError, match=r"SG0 out of place \(after SB0\)"):  # unreduced
+        simulate(Schedule.parse("early", 1, [rows[0], rows[1].replace("R0 SG0 RW0",
+                                                                       "SG0 RW0 R0")]))
     with pytest.raises(ScheduleError, match=r"RW0 out of place \(after T0\)"):  # the old place
-        simulate(Schedule.parse("late", 1, [rows[0], rows[1].replace("RW0 R0 T0", "R0 T0 RW0")]))
+        simulate(Schedule.parse("late", 1, [rows[0], rows[1].replace("RW0 T0", "T0 RW0")]))
     with pytest.raises(ScheduleError, match="RG0 out of place"):  # after the reduction
         simulate(Schedule.parse("late", 1, [rows[0].replace("RG0 R0", "R0 RG0"), rows[1]]))
     with pytest.raises(ScheduleError, match="never received"):  # a gradient nobody takes

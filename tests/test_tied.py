@@ -1,11 +1,14 @@
 """Tied input/output embeddings under PACI through pretrain_gpt_paci.py (mcore/tied.py).
 
-Per pipeline size two launches share a module fixture: an uninterrupted run of 8 iterations
+Per configuration two launches share a module fixture: an uninterrupted run of 8 iterations
 that saves at 4 and 8 (each save drains), and a run resumed from the checkpoint the first one
-wrote at iteration 4. P=2 with a=1 (lag ceil(P/a) = 2), P=4 with a=2 (lag 2; ``-m slow``).
-That the runtime implements the exchange exactly as defined (every loss, every stage's weights
-after every step, the staleness of every micro-batch, with a drain and an evaluation without
-drain) is checked against the one-process reference in tests/test_reference.py (``*_tied``).
+wrote at iteration 4. P=2 with a=1 (lag ceil(P/a) = 2); the same at DP=2 with Megatron's
+realistic flags: the distributed optimizer, --overlap-grad-reduce and --overlap-param-gather
+in bf16, and the distributed optimizer and --overlap-grad-reduce in fp16 (a loss scaler per
+stage, overflows skipped); P=4 with a=2 (lag 2; ``-m slow``). That the runtime implements the
+exchange exactly as defined (every loss, every stage's weights after every step, the
+staleness of every micro-batch, with a drain and an evaluation without drain) is checked
+against the one-process reference in tests/test_reference.py (``*_tied*``).
 """
 
 import math
@@ -24,28 +27,45 @@ TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
         "--distributed-timeout-minutes", "2", "--pipeline-schedule", "paci",
         "--hidden-dropout", "0.1", "--train-iters", str(ITERS)]
 ACCUMULATION = {2: 1, 4: 2}
+# data parallelism 2 at P=2 (4 ranks; 4 micro-batches an iteration per replica)
+DP2 = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "16"]
+# name -> (stages, ranks, flags)
+CONFIGS = {
+    "P2": (2, 2, []),
+    "P2xDP2-bf16-distopt-overlaps": (2, 4, DP2 + [
+        "--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce",
+        "--overlap-param-gather"]),
+    "P2xDP2-fp16-distopt-overlap": (2, 4, DP2 + [
+        "--fp16", "--initial-loss-scale", "65536", "--loss-scale-window", "2",
+        "--use-distributed-optimizer", "--overlap-grad-reduce"]),
+    "P4": (4, 4, []),
+}
 
 
-def _run(tmp, name, stages, flags):
-    run = train_paci(TINY + ["--paci-accumulation-factor", str(ACCUMULATION[stages])] + flags,
-                     tmp / f"{name}.jsonl", nproc=stages, timeout=300 if stages == 2 else 480)
+def _run(tmp, name, config, flags):
+    stages, ranks, extra = CONFIGS[config]
+    run = train_paci(TINY + ["--paci-accumulation-factor", str(ACCUMULATION[stages])] + extra
+                     + flags, tmp / f"{name}.jsonl", nproc=ranks,
+                     timeout=300 if ranks == 2 else 480)
     records = run["records"]
     return dict(run["summary"], final=records[-1],
                 metric_losses={r["iteration"]: r["lm_loss"] for r in records if "lm_loss" in r})
 
 
-@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)],
-                ids=["P2", "P4"])
+@pytest.fixture(scope="module", params=[
+    "P2", "P2xDP2-bf16-distopt-overlaps", "P2xDP2-fp16-distopt-overlap",
+    pytest.param("P4", marks=pytest.mark.slow)])
 def runs(request, tmp_path_factory):
-    stages = request.param
-    tmp = tmp_path_factory.mktemp(f"tied_p{stages}")
-    whole = _run(tmp, "whole", stages, ["--save", str(tmp / "a"), "--save-interval",
+    config = request.param
+    stages = CONFIGS[config][0]
+    tmp = tmp_path_factory.mktemp(f"tied_{config}")
+    whole = _run(tmp, "whole", config, ["--save", str(tmp / "a"), "--save-interval",
                                         str(SAVE_AT)])
     # the checkpoint the uninterrupted run wrote at iteration 4, alone in a --load dir
     tag = f"iter_{SAVE_AT:07d}"
     shutil.copytree(tmp / "a" / tag, tmp / "b" / tag)
     (tmp / "b" / "latest_checkpointed_iteration.txt").write_text(str(SAVE_AT))
-    resumed = _run(tmp, "resumed", stages, ["--load", str(tmp / "b")])
+    resumed = _run(tmp, "resumed", config, ["--load", str(tmp / "b")])
     return stages, whole, resumed
 
 

@@ -66,8 +66,9 @@ class StageFeature:
     - ``before_forward`` / ``after_forward``: around a micro-batch's forward;
     - ``backward_factor``: on a backward, the factor the group's gradient buffer is scaled by
       before that micro-batch's gradient joins it, and ``token_weight``, its token count's;
-    - ``finish_factor``: once per group, when its gradients are finished (R, or stage 0's RG
-      before the tied output-layer gradient joins);
+    - in R, once per group: ``after_reduction`` (the data-parallel reduction is done: where
+      stock's tied all-reduce reads the gradients), ``finish_factor`` (the group's gradients
+      are weighed by it), ``after_weighing`` (before the per-token division);
     - ``before_step``, ``around_optimizer`` (entered only when the optimizer is called),
       ``after_step``: around the local step;
     - ``on_drain``: the stream stops at a group boundary; ``evaluating``: around an
@@ -106,8 +107,14 @@ class StageFeature:
     def token_weight(self, drift: int) -> float:
         return 1.0
 
+    def after_reduction(self, ctx: StageContext) -> None:
+        pass
+
     def finish_factor(self, ctx: StageContext, per_token: bool) -> float:
         return 1.0
+
+    def after_weighing(self, ctx: StageContext) -> None:
+        pass
 
     def weighted_mean_drift(self) -> Optional[float]:
         """A feature that weighs gradients says how it weighs the group's drift."""

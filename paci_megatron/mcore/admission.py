@@ -57,11 +57,10 @@ def unwrap(model):
 def check_no_cross_stage_grad_reduction(model, pg: ProcessGroupCollection) -> None:
     """finalize_model_grads crosses stages for tied word embeddings and multi-token prediction
     (first <-> last stage), position embeddings split over stages, conditional embedders (all
-    stages) and barriered level-1 timers (all ranks); PACI refuses them instead of stalling."""
+    stages) and barriered level-1 timers (all ranks); PACI replaces the first (``tied.py``)
+    and refuses the others instead of stalling."""
     if pg.pp.size() == 1:
         return
-    if getattr(unwrap(model), "share_embeddings_and_output_weights", False):
-        check_tied_supported(model)
     if pg.pos_embd is not None and pg.pos_embd.size() > 1:
         raise ValueError("PACI does not support position embeddings shared across stages")
     config = get_model_config(model)
@@ -82,23 +81,6 @@ def check_no_cross_stage_grad_reduction(model, pg: ProcessGroupCollection) -> No
             "PACI cannot run level-1 timers with barriers: finalize_model_grads and the "
             "optimizer would barrier all ranks inside each stage's local step; use "
             "--timing-log-level 0")
-
-
-def check_tied_supported(model) -> None:
-    """Tied embeddings under PACI exchange the output layer's raw gradient and stage 0's
-    stepped weight (``tied.py``); refuse what that exchange does not cover."""
-    ddp = getattr(model, "ddp_config", None)
-    if ddp is not None and ddp.use_distributed_optimizer:
-        raise ValueError(
-            "PACI with tied input/output embeddings does not support the distributed optimizer "
-            "yet (the last stage installs stage 0's weight into its own optimizer's copy); drop "
-            "--use-distributed-optimizer or add --untie-embeddings-and-output-weights")
-    if ddp is not None and ddp.overlap_grad_reduce:
-        raise ValueError(
-            "PACI with tied input/output embeddings does not support --overlap-grad-reduce yet "
-            "(the last stage sends its output-layer gradient before the data-parallel "
-            "reduction, which --overlap-grad-reduce starts during the backward); drop "
-            "--overlap-grad-reduce or add --untie-embeddings-and-output-weights")
 
 
 def check_paci_model(model, pg: ProcessGroupCollection) -> None:

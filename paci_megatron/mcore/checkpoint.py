@@ -246,9 +246,11 @@ def find_checkpoint(root: str) -> Optional[str]:
 
 def _is_megatron_lm(path: str) -> bool:
     """Megatron-LM names the iteration in its tracker file only once the checkpoint's common
-    state is written: that file is its mark of completion (ours is ``COMPLETE``)."""
-    return not os.path.exists(os.path.join(path, COMPLETE)) \
-        and os.path.exists(os.path.join(path, "common.pt"))
+    state is written: that file is its mark of completion (ours is ``COMPLETE``). Through
+    megatron-core 0.18 the common state is ``common.pt``; from 0.19 on it is a sharded object
+    inside the torch_dist files, whose index ``.metadata`` torch writes last."""
+    return not os.path.exists(os.path.join(path, COMPLETE)) and any(
+        os.path.exists(os.path.join(path, name)) for name in ("common.pt", ".metadata"))
 
 
 def _common(path: str) -> Dict:

@@ -29,7 +29,7 @@ from megatron.core.utils import get_model_config, get_model_type
 
 from ..features.weight_prediction import predict_ahead
 from ..flag import ConfigError
-from . import main_params
+from . import compat, main_params
 
 
 def _sync() -> None:
@@ -77,8 +77,7 @@ def time_stage_actions(job, repeats: int, warmup: int) -> Dict[str, float]:
             job.forward_step, batch, model, 1, None, [], config,
             cp_group_size=parallel_state.get_context_parallel_world_size(),
             is_first_microbatch=True, current_microbatch=0, is_last_stage=True))
-        bwd, _ = _timed(lambda: mcore_schedules.backward_step(None, output, None, model_type,
-                                                              config))
+        bwd, _ = _timed(lambda: compat.backward_step(None, output, None, model_type, config))
 
         def step():
             finalize_model_grads([model], None)

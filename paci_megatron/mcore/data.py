@@ -31,6 +31,8 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import DType
 
+from . import compat
+
 __all__ = [
     "SUPPORTED_TOKENIZERS",
     "SentencePieceTokenizer",
@@ -114,26 +116,29 @@ class SentencePieceTokenizer:
 class NullTokenizer:
     """Megatron-LM's ``NullTokenizer``: text is a whitespace-separated list of integer ids.
 
-    With ``--vocab-size N`` the ids ``0..N-1`` are data and ``N`` is the end-of-document id, so
-    ``vocab_size`` is ``N + 1`` (as in Megatron-LM).
+    With ``--vocab-size N``, as the installed megatron-core's own NullTokenizer counts (so that
+    a checkpoint's embedding has the rows Megatron-LM gives it): through 0.17 the ids
+    ``0..N-1`` are data and ``N`` is the end-of-document id, so ``vocab_size`` is ``N + 1``;
+    from 0.18 on ``vocab_size`` is ``N`` and the end-of-document id ``N - 1``.
     """
 
     def __init__(self, vocab_size: int):
         if vocab_size is None or int(vocab_size) < 1:
             raise ValueError(f"NullTokenizer needs --vocab-size >= 1 (got {vocab_size})")
         self._vocab_size_without_eod = int(vocab_size)
+        self._added = 1 if compat.null_tokenizer_adds_eod() else 0
 
     @property
     def vocab_size(self) -> int:
-        return self._vocab_size_without_eod + 1
+        return self._vocab_size_without_eod + self._added
 
     @property
     def eod(self) -> int:
-        return self._vocab_size_without_eod
+        return self.vocab_size - 1
 
     @property
     def eos(self) -> int:
-        return self._vocab_size_without_eod
+        return self.eod
 
     @property
     def pad(self) -> int:

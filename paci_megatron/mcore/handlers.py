@@ -10,7 +10,7 @@ from megatron.core.pipeline_parallel import schedules as mcore_schedules
 
 from ..executor import ReplayIterator
 from ..schedule import Action, Op, exchanges
-from . import local_step
+from . import compat, local_step
 
 
 class PeerFailure(RuntimeError):
@@ -66,7 +66,7 @@ class MegatronHandlers:
             rt.meta.before_backward(state, mb, rt.loss_scale(), is_first=rt.is_first,
                                     is_last=rt.is_last, token_weight=token_weight)
         with rt.grad_sync(enabled=rt.plan_closes_group(mb)):
-            grad = mcore_schedules.backward_step(
+            grad = compat.backward_step(
                 state.inputs.pop(mb, None), state.outputs.pop(mb), state.output_grads.pop(mb, None),
                 rt.model_type, rt.model_config,
             )
@@ -86,12 +86,8 @@ class MegatronHandlers:
         self.rt.tied.send_output_grad()
 
     def recv_tied_grad(self, mb: int) -> None:
-        """Stage 0's own gradients are weighed before the last stage's half joins them; with
-        per-token loss that half is renormalised by its own (unweighted) token count."""
-        rt = self.rt
-        local_step.weigh_group(rt)
-        per_token = rt.meta is not None and rt.meta.per_token
-        rt.tied.add_output_grad(rt.meta.tied_half_factor(rt.pg.dp_cp) if per_token else 1.0)
+        """Received here; the R that follows adds it (``TiedEmbedding.after_weighing``)."""
+        self.rt.tied.receive_output_grad()
 
     def send_tied_weight(self, mb: int) -> None:
         self.rt.tied.send_weight()

@@ -32,7 +32,7 @@ from ..emulate import run_global
 from ..features.weight_prediction import grad_factor, predict_ahead
 from ..schedule import Action, StreamPlan, plan_stream
 from ..shape import StreamShape, closes_group, steps_in_flight, tied_lag
-from . import build
+from . import build, compat
 from . import main_params
 from .admission import stage_grad_stats_group
 from .main_params import gather_weights
@@ -141,7 +141,6 @@ class _Stage:
     meta_out: Dict[int, tuple] = field(default_factory=dict)
     group_tokens: int = 0
     plain_tokens: int = 0  # the same, unweighted
-    weighed: bool = False  # the group's stale weights are applied (stage 0 with tied: at RG)
     group_drifts: List[int] = field(default_factory=list)  # since the step, in order
     step_drifts: List[int] = field(default_factory=list)  # the same, for the correction
     predicted: Dict[int, int] = field(default_factory=dict)  # steps ahead -> forwards
@@ -150,32 +149,88 @@ class _Stage:
     looking_ahead: bool = False  # --paci-lookahead: the model weights are ahead of the main
 
 
+def _shard_span(model, weight) -> tuple:
+    """(lo, hi, shard size): the flat range of ``weight`` this data-parallel rank's distributed
+    optimizer steps, from the bucket it sits in alone (cut in equal shards over data
+    parallel); the whole weight without the distributed optimizer."""
+    numel = weight.numel()
+    if not model.ddp_config.use_distributed_optimizer:
+        return 0, numel, numel
+    bucket = next(b for g in model.bucket_groups for b in g.buckets if weight in b.params)
+    if len(bucket.params) != 1:
+        raise RuntimeError("the tied weight does not have a bucket of its own")
+    size = bucket.grad_data.numel() // parallel_state.get_data_parallel_world_size()
+    rank = parallel_state.get_data_parallel_rank()
+    return min(rank * size, numel), min((rank + 1) * size, numel), size
+
+
 class TiedState:
     """Tied embeddings: stage 0 owns the weight; the last stage's output-layer gradient of a
-    group (SG) is added to stage 0's before its R (RG), and the last stage installs stage 0's
-    weight after step i (SW) at its own step i + tied_lag (RW); messages held here, in order."""
+    group, as its data-parallel reduction left it (its shard, distributed optimizer), goes to
+    stage 0 after its R (SG), which adds it to its own after its reduction and weighting
+    (RG, R); the last stage installs stage 0's weight after step i (SW) after its own step
+    i + tied_lag (RW); messages held here, in order."""
 
     def __init__(self, stages: List["_Stage"]):
         first, last = stages[0].parts, stages[-1].parts
         self.owner, self.last = shared_weight(first.model), shared_weight(last.model)
         self.owner_main = main_param(first.optimizer, self.owner)
         self.last_main = main_param(last.optimizer, self.last)
+        lo, hi, self.shard_size = _shard_span(first.model, self.owner)
+        self.span = (lo, hi)
+        if _shard_span(last.model, self.last) != (lo, hi, self.shard_size):
+            raise RuntimeError("stage 0 and the last stage shard the tied weight differently")
+        if self.owner_main.numel() != hi - lo:
+            raise RuntimeError("the tied weight's master copy is not the span its bucket gives")
         if not torch.equal(self.owner_main, self.last_main):
             raise RuntimeError("the last stage's output layer does not start equal to stage "
                                "0's word embedding")
-        self.grads: List[torch.Tensor] = []
+        self.sharded = first.model.ddp_config.use_distributed_optimizer
+        self.gathers_later = self.sharded and first.model.ddp_config.overlap_param_gather
+        self.kept: Optional[tuple] = None  # the last stage's reduced half, for its SG
+        self.grads: List[tuple] = []  # (gradient, the last stage's loss scale) in transit
+        self.received: Optional[tuple] = None  # stage 0: RG's, added by its R
         self.weights: List[torch.Tensor] = []  # sent by stage 0 (SW), not yet received
         self.inbox: List[torch.Tensor] = []  # received by the last stage (RW), not installed
         self.last_steps = 0
         self.installed = 0
         self.histogram: Dict[int, int] = {}
 
+    def grad(self, weight) -> torch.Tensor:
+        return grad_of(weight).view(-1)[self.span[0]:self.span[1]]
+
+    def install_last(self, value: torch.Tensor) -> None:
+        """The last stage's master copy (its shard) and its whole model weight from stage 0's
+        (shard of the) weight: with the distributed optimizer every rank's shard, gathered
+        here over data parallel in fp32, then cast. With --overlap-param-gather only this
+        rank's shard of the model weight, as the step leaves every other weight: the next
+        forward gathers them."""
+        if not self.sharded:
+            install(self.last, self.last_main, value.view(self.last_main.shape))
+            return
+        lo, hi = self.span
+        if self.gathers_later:
+            with torch.no_grad():
+                self.last_main.copy_(value)
+                self.last.data.view(-1)[lo:hi].copy_(value)
+            return
+        group = parallel_state.get_data_parallel_group()
+        piece = torch.zeros(self.shard_size, dtype=torch.float32, device=value.device)
+        piece[:hi - lo] = value
+        pieces = torch.empty(self.shard_size * group.size(), dtype=torch.float32,
+                             device=value.device)
+        torch.distributed.all_gather_into_tensor(pieces, piece, group=group)
+        full = pieces[:self.last.numel()]  # rank r's shard at r x size, padding at the end
+        with torch.no_grad():
+            self.last_main.copy_(value)
+            self.last.data.copy_(full.view(self.last.shape))
+
     def catch_up(self) -> None:
         """A drain: the last stage takes stage 0's newest weight; a new stream starts."""
         if self.grads or self.weights:
             raise RuntimeError("drain with a tied-embedding message in transit")
         if self.inbox and self.installed < self.last_steps:
-            install(self.last, self.last_main, self.inbox[-1])
+            self.install_last(self.inbox[-1])
         self.inbox, self.last_steps, self.installed = [], 0, 0
 
 
@@ -352,7 +407,7 @@ class PipelineEmulator:
             stage.meta_out[mb] = (scale, tokens)
         self._weigh_stale(stage, drift)
         with sync:
-            grad = mcore_schedules.backward_step(
+            grad = compat.backward_step(
                 stage.inputs.pop(mb, None), stage.outputs.pop(mb), stage.output_grads.pop(mb, None),
                 get_model_type(model), get_model_config(model))
         if stage.index > 0:
@@ -389,14 +444,21 @@ class PipelineEmulator:
         stage.grad_meta[mb] = meta
 
     def _send_tied_grad(self, stage: _Stage, mb: int) -> None:
-        self.tied.grads.append(grad_of(self.tied.last).detach().clone())
+        self.tied.grads.append(self.tied.kept)
+        self.tied.kept = None
 
     def _recv_tied_grad(self, stage: _Stage, mb: int) -> None:
-        """Stage 0: weighted before stock's all-reduce sum, made here. Per-token loss: the
-        last stage's half is renormalised to a mean over its own (unweighted) tokens."""
-        self._finish_stale_weights(stage)
-        stage.weighed = True
-        grad = self.tied.grads.pop(0)
+        self.tied.received = self.tied.grads.pop(0)
+
+    def _add_tied_half(self, stage: _Stage) -> None:
+        """Stage 0, its own gradient reduced and weighted: the last stage's reduced half joins
+        as stock's all-reduce sums it, brought to this stage's loss scale. Per-token loss: that
+        half is renormalised to a mean over its own (unweighted) tokens."""
+        grad, sender_scale = self.tied.received
+        self.tied.received = None
+        scale = float(stage.parts.optimizer.get_loss_scale())
+        if scale != sender_scale:
+            grad = grad * (scale / sender_scale)
         if get_model_config(stage.parts.model).calculate_per_token_loss \
                 and not isinstance(stage.group_tokens, int):
             totals = torch.tensor([float(stage.group_tokens), float(stage.plain_tokens)],
@@ -404,14 +466,21 @@ class PipelineEmulator:
             if parallel_state.get_data_parallel_world_size() > 1:
                 torch.distributed.all_reduce(totals, group=parallel_state.get_data_parallel_group())
             grad = grad * float(totals[0] / totals[1])
-        grad_of(self.tied.owner).add_(grad)
+        self.tied.grad(self.tied.owner).add_(grad)
 
     def _reduce(self, stage: _Stage, mb: int) -> None:
-        """Data-parallel reduction within the stage, the stale weights, the per-token count."""
+        """Data-parallel reduction within the stage, the tied gradient's halves (kept on the
+        last stage, added on stage 0 after its weighting), the stale weights, the per-token
+        count."""
         model = stage.parts.model
         model.finish_grad_sync()
-        if not stage.weighed:
-            self._finish_stale_weights(stage)
+        tied = self.tied
+        if tied is not None and stage.index == self.num_stages - 1:
+            tied.kept = (tied.grad(tied.last).detach().clone(),
+                         float(stage.parts.optimizer.get_loss_scale()))
+        self._finish_stale_weights(stage)
+        if tied is not None and stage.index == 0:
+            self._add_tied_half(stage)
         if get_model_config(model).calculate_per_token_loss:  # this stage's group's tokens
             count = torch.tensor(stage.group_tokens, dtype=torch.int if isinstance(
                 stage.group_tokens, int) else torch.float64)
@@ -420,7 +489,6 @@ class PipelineEmulator:
             if count > 0:
                 model.scale_gradients(1.0 / count)
         stage.group_tokens = stage.plain_tokens = 0
-        stage.weighed = False
 
     def _step(self, stage: _Stage, mb: int) -> None:
         """The stage's optimizer and LR step; the last stage's tied copy stays where it was
@@ -444,8 +512,7 @@ class PipelineEmulator:
                 gather_weights(optimizer)
         stage.group_moved = False
         if tied is not None:
-            if undo is not None:
-                install(tied.last, tied.last_main, undo)
+            tied.install_last(undo)
             tied.last_steps += 1
         if ok and scheduler is not None:
             scheduler.step(increment=self.lr_increment)

@@ -101,7 +101,6 @@ class PaciRuntime:
         self.model = None
         self.params: tuple = ()
         self.fresh_weights = True
-        self.group_weighed = False  # the features' weighting of this group is done
         self.gathers_params = False  # --overlap-param-gather: see param_gather.py
         self.tied: Optional[TiedEmbedding] = None  # the tied-weight exchange of this stream
         self.tied_histogram: Counter = Counter()  # last stage: staleness -> micro-batches
@@ -315,17 +314,18 @@ class PaciRuntime:
         if self.policy.features:
             raise ValueError("--paci-accumulation-factor auto does not support tied embeddings "
                              "yet; add --untie-embeddings-and-output-weights")
-        if self.meta is not None and self.meta.fp16:
-            raise ValueError("PACI with tied embeddings does not support fp16 loss scaling yet "
-                             "(the output layer's gradient reaches stage 0 at the last stage's "
-                             "scale); use bf16, or add --untie-embeddings-and-output-weights")
         if shared_weight(model) is None:
             return None  # a middle stage: the lists give it no tied action
         if self._stage_pg is None:
             self._stage_pg = admission.stage_local_groups(self.pg)
-        return TiedEmbedding(model=model, optimizer=self.optimizer, stage=self.stage,
-                             num_stages=self.num_stages, accumulation=self.plan.accumulation,
-                             group=self.pg.embd, histogram=self.tied_histogram)
+        meta = self.meta
+        return TiedEmbedding(
+            model=model, optimizer=self.optimizer, stage=self.stage, num_stages=self.num_stages,
+            accumulation=self.plan.accumulation, group=self.pg.embd,
+            histogram=self.tied_histogram,
+            loss_scale=self.loss_scale if meta is not None and meta.fp16 else None,
+            half_factor=(lambda: meta.tied_half_factor(self.pg.dp_cp))
+            if meta is not None and meta.per_token else (lambda: 1.0))
 
     def forward_backward(self, *, forward_step_func, data_iterator, model, num_microbatches: int,
                          seq_length: int, micro_batch_size: int,

@@ -1,28 +1,44 @@
 """Tied input/output embeddings under PACI, without a collective in the steady state.
 
 Stock Megatron keeps the first stage's word embedding and the last stage's output layer equal
-by all-reducing their gradients over the embedding group at every step. Under PACI that would
-make the last stage wait for the first at each local step. Instead, as actions of the lists
-(``schedule.py``):
+by all-reducing their gradients over the embedding group at every step, after each stage's
+data-parallel reduction (``finalize_model_grads``). Under PACI that would make the last stage
+wait for the first at each local step. Instead, as actions of the lists (``schedule.py``):
 
 * stage 0 owns the tied weight; only its optimizer moves it;
-* SG: the last stage sends its output-layer gradient of micro-batch group u (not yet reduced
-  over data parallel) right after the backward that closes u; RG: stage 0 adds it to its own
-  before its R (the data-parallel reduction), so stage 0 steps on the sum stock's all-reduce
-  computes; SW: stage 0 sends the weight it stepped to;
+* SG: right after its R (the data-parallel reduction of group u) the last stage sends its
+  output-layer gradient as that reduction left it: the whole gradient, or with the
+  distributed optimizer this data-parallel rank's shard of it (Megatron puts the tied weight
+  in a bucket of its own on both stages, so both shard it the same way). Under fp16 its loss
+  scale follows in a tiny message. RG: stage 0 receives it before its R, which adds it to its
+  own reduced gradient (rescaled to stage 0's loss scale, a power of two: exact) after its own
+  weighting and before the per-token division: the sum stock's all-reduce computes at that
+  point, bit for bit;
+* SW: stage 0 sends the weight it stepped to (its fp32 master copy, or its shard of it);
 * RW: right after sending SG of group i the last stage posts the receive of stage 0's weight
-  after step i, and installs it after its own step i + L, L = ``shape.tied_lag(P, a)`` =
+  after step i, and installs it at its own step i + L, L = ``shape.tied_lag(P, a)`` =
   ceil(P/a): the smallest lag at which that message has been sent before the last stage
   needs it (stage 0 sends after step i, then runs forward (i+1)a-1+P, which the last stage's
-  step i + L waits for through the pipeline). Before that the last stage keeps its copy where
-  it was (its own optimizer's move is undone). Both copies therefore run through the same
-  values, the last stage's L steps late. Both ends meet a group's two messages in the same
-  order (SG, then the weight), so one communicator serves both directions without either
-  send waiting behind the other's receive, and every receive is posted before its send: a
-  send completes as soon as it is posted (stage 0 keeps one copy in flight), the last stage
-  holds the L + 1 weights it received and has not installed;
+  step i + L waits for through the pipeline). The install goes into the master copy right
+  after the inner optimizer's update (a step post-hook), so Megatron's own copy to the model
+  weight (and the distributed optimizer's all-gather) spreads it: both stages' model weights
+  are the same cast of the same fp32 values. A skipped step installs after it, the same way
+  by hand. Before step L the last stage keeps the stream's starting value (its own
+  optimizer's move is undone). Both copies therefore run through the same values, the last
+  stage's L steps late. Both ends meet a group's messages in the same order (SG, then the
+  weight), so one communicator serves both directions without either send waiting behind the
+  other's receive, and every receive is posted before its send;
 * a drain (and an evaluation without drain, temporarily) brings the last stage's copy up to
   date: stage 0 already sent every version, the last stage only receives.
+
+Buffers, each allocated once per stream and reused: stage 0 one for the weight in flight (its
+previous send is done by its next SW: the receive was posted right after that group's SG) and
+one for the gradient received; the last stage the L + 1 weights received and not installed,
+and at most L gradients in flight: the send of group u is freed once it reports done (on NCCL
+when stage 0's RG ran), at the latest at SG u + L, where it is known received by the argument
+for L above. Waiting for it earlier (at the next SG) would stall behind stage 0 whenever
+P > a: the timed lists put stage 0's RG u after the last stage's SG u + 1 at P=4, a=1 and
+at P=8, a=1 and 2, for instance (forward 1, backward 2).
 
 Staleness of the tied weight: a last-stage forward of group g uses owner version
 ``max(0, g - L)`` and its gradient is applied by stage 0's step g, so it is at most L steps
@@ -37,11 +53,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections import Counter, deque
-from typing import Any, Deque, List, Optional, Tuple
+from typing import Any, Callable, Deque, List, Optional, Tuple
 
 import torch
 
-from ..features.base import StageContext, StageFeature
+from ..features.base import StageContext, StageFeature, sub_optimizers
 from ..shape import tied_lag
 
 
@@ -58,21 +74,44 @@ def shared_weight(model) -> Optional[torch.nn.Parameter]:
     return inner.shared_embedding_or_output_weight()
 
 
-def main_param(optimizer, param) -> torch.Tensor:
-    """The tensor the optimizer steps for ``param``: its fp32 master copy under bf16, else
-    ``param`` itself."""
-    for opt in list(getattr(optimizer, "chained_optimizers", None) or [optimizer]):
+def stepped_part(optimizer, param) -> Tuple[Any, Optional[torch.Tensor], int, int]:
+    """What the optimizer steps of ``param`` on this rank: (sub-optimizer, tensor, lo, hi),
+    the tensor holding ``param.view(-1)[lo:hi]``: its fp32 master copy under bf16/fp16, with
+    the distributed optimizer this data-parallel rank's shard of it (tensor None, lo = hi,
+    where the rank holds no part), else ``param`` itself."""
+    numel = param.numel()
+    for opt in sub_optimizers(optimizer):
+        if param in getattr(opt, "model_param_gbuf_map", {}):  # the distributed optimizer
+            groups = zip(opt.model_float16_groups + opt.model_fp32_groups,
+                         opt.shard_fp32_from_float16_groups + opt.shard_fp32_groups)
+            for models, shards in groups:
+                for model_param, shard in zip(models, shards):
+                    if model_param is param:
+                        span = opt._get_model_param_range_map(param)["param"]
+                        return opt, shard, span.start, span.end
+            return opt, None, 0, 0
         for models, mains in zip(getattr(opt, "float16_groups", []),
                                  getattr(opt, "fp32_from_float16_groups", [])):
             for model_param, main in zip(models, mains):
                 if model_param is param:
-                    return main
-    return param
+                    return opt, main, 0, numel
+    owner = next((opt for opt in sub_optimizers(optimizer)
+                  if any(p is param for g in opt.optimizer.param_groups for p in g["params"])),
+                 None)
+    return owner, param, 0, numel
+
+
+def main_param(optimizer, param) -> torch.Tensor:
+    """The tensor the optimizer steps for ``param`` (see ``stepped_part``; an empty one where
+    a distributed optimizer's rank holds no part of it)."""
+    _opt, main, _lo, _hi = stepped_part(optimizer, param)
+    return main if main is not None else param.detach().view(-1)[:0]
 
 
 def install(param, main, value: torch.Tensor) -> None:
     """Set the master copy and the model weight to ``value`` (the model weight as Megatron
-    derives it from the master copy, so both stages' bf16 copies agree bit for bit)."""
+    derives it from the master copy, so both stages' bf16 copies agree bit for bit); whole
+    tensors, no distributed optimizer."""
     with torch.no_grad():
         if main is not param:
             main.copy_(value)
@@ -83,9 +122,9 @@ def install(param, main, value: torch.Tensor) -> None:
 
 def optimizer_state(optimizer, main) -> dict:
     """The optimizer's state of the tensor it steps for the tied weight ({} before a step)."""
-    for opt in list(getattr(optimizer, "chained_optimizers", None) or [optimizer]):
+    for opt in sub_optimizers(optimizer):
         inner = getattr(opt, "optimizer", None)
-        if inner is not None and main in inner.state:
+        if inner is not None and main is not None and main in inner.state:
             return inner.state[main]
     return {}
 
@@ -94,26 +133,124 @@ def grad_of(param) -> torch.Tensor:
     return param.main_grad if getattr(param, "main_grad", None) is not None else param.grad
 
 
+class TiedCopy:
+    """One stage's copy of the tied weight as its optimizer steps it: the gradient span and
+    master tensor of this rank, and how the model weight follows the master copy."""
+
+    def __init__(self, model, optimizer):
+        self.weight = shared_weight(model)
+        self.opt, self.main, self.lo, self.hi = stepped_part(optimizer, self.weight)
+        self.sharded = self.weight in getattr(self.opt, "model_param_gbuf_map", {})
+        self.bucket_group = model.param_to_bucket_group[self.weight] if self.sharded else None
+        if self.sharded and any(len(b.params) != 1 for b in self.bucket_group.buckets
+                                if self.weight in b.params):
+            # both stages must cut the weight into the same shards: Megatron-Core splits a
+            # "shared_embedding" parameter into a bucket of its own for that
+            raise RuntimeError("the tied weight shares a distributed-optimizer bucket with "
+                               "other parameters; its shards would differ between stage 0 "
+                               "and the last stage")
+
+    @property
+    def empty(self) -> bool:
+        return self.hi == self.lo
+
+    def grad(self) -> torch.Tensor:
+        """The part of the gradient this rank's optimizer steps on (after its reduction)."""
+        return grad_of(self.weight).view(-1)[self.lo:self.hi]
+
+    def master(self) -> Optional[torch.Tensor]:
+        """The master copy of this rank's span, flat (None: no part on this rank)."""
+        return None if self.main is None else self.main.detach().view(-1)
+
+    def set_master(self, value: torch.Tensor) -> None:
+        if self.main is not None:
+            self.main.data.view(-1).copy_(value.view(-1))
+
+    def follow_master(self) -> None:
+        """The model weight from the master copy, as Megatron's step derives it (the
+        distributed optimizer: this rank's shard of the parameter buffer, then the
+        all-gather that brings in the others; every data-parallel rank of the stage takes
+        this path together)."""
+        if not self.sharded:
+            if self.main is not self.weight:
+                self.weight.data.copy_(self.main)
+            return
+        if self.main is not None:
+            self.weight.data.view(-1)[self.lo:self.hi].copy_(self.main)
+        self._gather()
+
+    def show(self, value: torch.Tensor) -> None:
+        """The model weight only (an evaluation reads stage 0's current weight)."""
+        if not self.sharded:
+            self.weight.data.copy_(value.view(self.weight.shape))
+            return
+        if not self.empty:
+            self.weight.data.view(-1)[self.lo:self.hi].copy_(value)
+        self._gather()
+
+    def whole(self) -> None:
+        """The distributed optimizer: every shard of the model weight in (the all-gather of
+        a step is left to the next forward with --overlap-param-gather)."""
+        if self.sharded:
+            self._gather()
+
+    def _gather(self) -> None:
+        """The all-gather of the tied weight's bucket group, synchronous; one still in flight
+        is finished first (it may have read the shard before it was written)."""
+        group = self.bucket_group
+        if group.param_gather_handle is not None:
+            group.param_gather_handle.wait()
+            group.param_gather_handle = None
+        group.start_param_sync(force_sync=True)
+
+
 class TiedStalenessExceeded(RuntimeError):
     pass
 
 
+def _isend(tensor: torch.Tensor, peer: int, group):
+    return torch.distributed.isend(tensor, dst=peer, group=group) if tensor.numel() else None
+
+
+def _irecv(tensor: torch.Tensor, peer: int, group):
+    return torch.distributed.irecv(tensor, src=peer, group=group) if tensor.numel() else None
+
+
+def _completed(works: list) -> bool:
+    return all(work is None or work.is_completed() for work in works)
+
+
+def _wait(works: list) -> None:
+    """Each posted message waited for once (gloo's wait is not idempotent: a second wait on
+    the same receive waits for another message)."""
+    for i, work in enumerate(works):
+        if work is not None:
+            work.wait()
+            works[i] = None
+
+
 class TiedEmbedding(StageFeature):
     """One stage's half of the tied-weight exchange for one PACI stream (from an empty or
-    drained pipeline on; micro-batch and step numbers count from there)."""
+    drained pipeline on; micro-batch and step numbers count from there). ``loss_scale``
+    (fp16): this stage's current scale, which its gradients are expressed in; ``half_factor``
+    (stage 0): the factor the last stage's half takes before it joins (per-token loss)."""
 
     name = "tied"
 
     def __init__(self, *, model, optimizer, stage: int, num_stages: int, accumulation: int,
-                 group, histogram: Counter, bound: Optional[int] = None):
-        self.weight = shared_weight(model)
-        self.main = main_param(optimizer, self.weight)
+                 group, histogram: Counter, bound: Optional[int] = None,
+                 loss_scale: Optional[Callable[[], float]] = None,
+                 half_factor: Callable[[], float] = lambda: 1.0):
+        self.copy = TiedCopy(model, optimizer)
+        self.weight = self.copy.weight
         self.optimizer = optimizer
         self.is_owner = stage == 0
         self.accumulation = accumulation
         self.lag = tied_lag(num_stages, accumulation)
         self.bound = self.lag if bound is None else bound
         self.group = group
+        self.loss_scale = loss_scale
+        self.half_factor = half_factor
         me = torch.distributed.get_rank()
         others = [r for r in torch.distributed.get_process_group_ranks(group) if r != me]
         if len(others) != 1:
@@ -121,13 +258,36 @@ class TiedEmbedding(StageFeature):
                                f"stage, it holds {sorted(others + [me])}")
         self.peer = others[0]
         self.steps = 0  # local steps of this stream
-        self.sends: List[Tuple[int, Any, torch.Tensor]] = []  # (step index, work, tensor)
-        # last stage: receives of stage 0's weights posted (RW), oldest first, not installed:
-        # [work (None once waited), weight]
+        # last stage: gradients sent, [step index, works, buffer], oldest first; the one R
+        # took for the next SG; receives of stage 0's weights posted (RW), not installed,
+        # [works, weight]; free buffers; the value its next step installs, and whether the
+        # step did
+        self.grad_sends: Deque[list] = deque()
+        self.outgoing: Optional[list] = None
         self.inbox: Deque[list] = deque()
+        self.spare: List[torch.Tensor] = []
+        self.due: Optional[list] = None
+        self.placed = False
         self.installed = 0  # owner version the last stage's copy holds
-        self.snapshot: Optional[torch.Tensor] = None
+        # stage 0: the last stage's gradient received (RG) and its scale; the weight in flight
+        self.incoming: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        self.weight_send: Optional[list] = None
         self.histogram = histogram  # kept by the runtime across streams
+
+    def _buffer(self, dtype) -> torch.Tensor:
+        if self.spare:
+            return self.spare.pop()
+        return torch.empty(self.copy.hi - self.copy.lo, dtype=dtype, device=self.weight.device)
+
+    def _scale_tensor(self) -> torch.Tensor:
+        """This stage's loss scale as a new one-element float64 tensor on the device (the
+        scale itself stays there: never read back by the host)."""
+        scale = self.loss_scale() if self.loss_scale else None
+        if scale is None:
+            return torch.ones(1, dtype=torch.float64, device=self.weight.device)
+        if torch.is_tensor(scale):
+            return scale.detach().reshape(1).to(torch.float64, copy=True)
+        return torch.tensor([float(scale)], dtype=torch.float64, device=self.weight.device)
 
     # last stage ------------------------------------------------------------------------------
     def before_forward(self, ctx: StageContext, mb: int) -> None:
@@ -143,85 +303,147 @@ class TiedEmbedding(StageFeature):
                 f"{mb // self.accumulation} (staleness {stale} > {self.bound})")
         self.histogram[stale] += 1
 
+    def after_reduction(self, ctx: StageContext) -> None:
+        """Last stage, in R right after the data-parallel reduction (where stock's all-reduce
+        reads it): keep the output layer's gradient for SG, in the buffer of a send that is
+        done: one that reports so (NCCL does once stage 0's receive ran; gloo only once
+        waited for), or one known to be received (group ``steps - L`` or older: see the
+        module docstring), whose wait cannot stall."""
+        if self.is_owner:
+            return
+        buf = None
+        while self.grad_sends and (self.grad_sends[0][0] <= self.steps - self.lag
+                                   or _completed(self.grad_sends[0][1])):
+            _index, works, buf, _scale = self.grad_sends.popleft()
+            _wait(works)
+        grad = self.copy.grad()
+        if buf is None:
+            buf = torch.empty_like(grad)
+        buf.copy_(grad)
+        self.outgoing = [self.steps, [], buf, None]
+
     def send_output_grad(self) -> None:
-        """SG, after the backward that closes a group: the output layer's gradient to stage 0."""
-        grad = grad_of(self.weight).detach().clone()
-        work = torch.distributed.isend(grad, dst=self.peer, group=self.group)
-        self.sends.append((self.steps, work, grad))
+        """SG, right after R: the gradient R kept (and, fp16, the scale it is expressed in)."""
+        entry, self.outgoing = self.outgoing, None
+        entry[1].append(_isend(entry[2], self.peer, self.group))
+        if self.loss_scale is not None and not self.copy.empty:
+            entry[3] = self._scale_tensor()  # alive until waited for
+            entry[1].append(_isend(entry[3], self.peer, self.group))
+        self.grad_sends.append(entry)
+
+    def install_weight(self, owner_mb: int) -> None:
+        """RW: post the receive of stage 0's weight after its step closing ``owner_mb``; the
+        step ``L`` later installs it."""
+        master = self.copy.master()
+        weight = self._buffer(torch.float32 if master is None else master.dtype)
+        self.inbox.append([[_irecv(weight, self.peer, self.group)], weight])
 
     def before_step(self, ctx: StageContext) -> None:
-        if not self.is_owner and self.steps < self.lag:
-            self.snapshot = self.main.detach().clone()
-
-    def after_step(self, ctx: StageContext, record) -> None:
-        """Last stage: undo its own move of the tied weight; the first L steps of a stream
-        keep the stream's starting value, step n >= L installs stage 0's weight after its
-        step n - L (received by the oldest RW posted)."""
+        """What this step leaves in the last stage's copy: for the first L steps of a stream
+        its starting value, then stage 0's weight after step ``steps - L`` (the oldest RW)."""
         if self.is_owner:
             return
         if self.steps < self.lag:
-            install(self.weight, self.main, self.snapshot)
-            self.snapshot = None
+            master = self.copy.master()
+            self.due = [[], master.detach().clone() if master is not None else None]
         else:
-            install(self.weight, self.main, self._wait(self.inbox.popleft()))
+            self.due = self.inbox[0]
+        self.placed = False
+
+    def around_optimizer(self, ctx: StageContext):
+        """Last stage: the due value goes into the master copy right after the inner
+        optimizer's update, before Megatron derives the model weight from it."""
+        if self.is_owner or self.copy.opt is None:
+            return contextlib.nullcontext()
+        return self._installing_in_step()
+
+    @contextlib.contextmanager
+    def _installing_in_step(self):
+        def place(*_args) -> None:
+            _wait(self.due[0])
+            if self.due[1] is not None:
+                self.copy.set_master(self.due[1])
+            self.placed = True
+
+        handle = self.copy.opt.optimizer.register_step_post_hook(place)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    def after_step(self, ctx: StageContext, record) -> None:
+        """Last stage: a step that did not update (skipped) installs here, by hand; the
+        buffer of an installed weight is free again."""
+        if self.is_owner:
+            return
+        if not self.placed:
+            _wait(self.due[0])
+            if self.due[1] is not None:
+                self.copy.set_master(self.due[1])
+            self.copy.follow_master()
+        if self.steps >= self.lag:
+            self.spare.append(self.inbox.popleft()[1])
             self.installed = self.steps - self.lag + 1
+        self.due = None
         self.steps += 1
-        # stage 0 received gradient u at its step u, which precedes this step if u <= steps-1-L
-        self._wait_sends(self.steps - 1 - self.lag)
-
-    def install_weight(self, owner_mb: int) -> None:
-        """RW: post the receive of stage 0's weight after its step closing ``owner_mb``;
-        ``after_step`` L steps later installs it."""
-        weight = torch.empty_like(self.main)
-        self.inbox.append([torch.distributed.irecv(weight, src=self.peer, group=self.group),
-                           weight])
-
-    @staticmethod
-    def _wait(entry: list) -> torch.Tensor:
-        """A posted receive's weight, waited for once (gloo's wait is not idempotent: a
-        second wait on the same receive waits for another message)."""
-        if entry[0] is not None:
-            entry[0].wait()
-            entry[0] = None
-        return entry[1]
 
     def _received(self) -> Optional[torch.Tensor]:
         """Every weight posted for is in (stage 0 sent them all before this call ended); the
         newest, or None when none is pending."""
-        for entry in self.inbox:
-            self._wait(entry)
+        for works, _weight in self.inbox:
+            _wait(works)
         return self.inbox[-1][1] if self.inbox else None
 
     # stage 0 ---------------------------------------------------------------------------------
-    def add_output_grad(self, factor: float = 1.0) -> None:
-        """RG, before stage 0's data-parallel reduction: add the last stage's gradient of the
-        same group (sent before stage 0's closing backward could run), times ``factor``."""
-        grad = grad_of(self.weight)
-        buf = torch.empty_like(grad)
-        torch.distributed.irecv(buf, src=self.peer, group=self.group).wait()
+    def receive_output_grad(self) -> None:
+        """RG, before stage 0's R: the last stage's gradient of the same group (sent before
+        stage 0's closing backward could run) and, fp16, its scale."""
+        buf = self.incoming[0] if self.incoming is not None else torch.empty_like(
+            self.copy.grad())
+        scale = self._scale_tensor()
+        works = [_irecv(buf, self.peer, self.group)]
+        if self.loss_scale is not None and not self.copy.empty:
+            works.append(_irecv(scale, self.peer, self.group))
+        _wait(works)
+        self.incoming = (buf, scale)
+
+    def after_weighing(self, ctx: StageContext) -> None:
+        """Stage 0, in R once its own gradient is reduced and weighed (before the per-token
+        division): the last stage's half joins, at this stage's loss scale, times
+        ``half_factor``: what stock's all-reduce adds at that point."""
+        if not self.is_owner:
+            return
+        buf, scale = self.incoming
+        if self.loss_scale is not None:  # on the device: a power of two, exact
+            buf.mul_((self._scale_tensor() / scale).to(buf.dtype))
+        factor = self.half_factor()
         if torch.is_tensor(factor) or factor != 1.0:  # a device tensor: never compared here
             buf.mul_(factor)
-        grad.add_(buf)
+        self.copy.grad().add_(buf)
 
     def send_weight(self) -> None:
-        """SW, after stage 0's step: the stepped weight (its master copy) to the last stage."""
-        value = self.main.detach().clone()
-        work = torch.distributed.isend(value, dst=self.peer, group=self.group)
-        self.sends.append((self.steps, work, value))
+        """SW, after stage 0's step: the stepped weight (its master copy, or its shard) to
+        the last stage, from the one buffer: the previous send is done (the last stage posted
+        its receive right after that group's SG, which this stage has received)."""
+        if self.weight_send is not None:
+            _wait(self.weight_send[0])
+        master = self.copy.master()
+        if self.weight_send is None:
+            self.weight_send = [[], master.detach().clone() if master is not None
+                                else torch.empty(0, device=self.weight.device)]
+        else:
+            self.weight_send[1].copy_(master)  # flat, both
+        self.weight_send[0] = [_isend(self.weight_send[1], self.peer, self.group)]
         self.steps += 1
-        # the last stage posted the receive of weight i before stage 0's step i (right after
-        # its SG i): the previous weight's send is done by now, one copy stays in flight
-        self._wait_sends(self.steps - 2)
 
     # both ------------------------------------------------------------------------------------
-    def _wait_sends(self, upto: int) -> None:
-        keep = []
-        for index, work, tensor in self.sends:
-            if index <= upto:
-                work.wait()
-            else:
-                keep.append((index, work, tensor))
-        self.sends = keep
+    def _wait_sends(self) -> None:
+        """Every message this stream sent is delivered (a drain)."""
+        for _index, works, _buf, _scale in self.grad_sends:
+            _wait(works)
+        self.grad_sends.clear()
+        if self.weight_send is not None:
+            _wait(self.weight_send[0])
 
     def latest_for_eval(self) -> Optional[torch.Tensor]:
         """Last stage, between two calls: stage 0's current weight (already sent), kept in the
@@ -239,9 +461,9 @@ class TiedEmbedding(StageFeature):
         if latest is None:
             yield
             return
+        self.copy.whole()  # what is put back must be the whole weight, every shard in
         lagging = self.weight.detach().clone()
-        with torch.no_grad():
-            self.weight.data.copy_(latest)
+        self.copy.show(latest)
         try:
             yield
         finally:
@@ -254,10 +476,11 @@ class TiedEmbedding(StageFeature):
         if not self.is_owner:
             latest = self.latest_for_eval()
             if latest is not None:
-                install(self.weight, self.main, latest)
+                self.copy.set_master(latest)
+                self.copy.follow_master()
                 self.installed = self.steps
             self.inbox.clear()
-        self._wait_sends(self.steps)
+        self._wait_sends()
         self._share_optimizer_state()
 
     def _share_optimizer_state(self) -> None:
@@ -265,11 +488,12 @@ class TiedEmbedding(StageFeature):
         state of that weight (Adam's moments) never counts, and drifts from stage 0's. Stock
         1F1B after a drain (a cool-down, a switch) steps both copies on the same gradient: they
         stay equal only with equal states, as a checkpoint load would give (it stores stage
-        0's). Stage 0 sends its state's tensors, in the order of their names, once both sides
-        agree on their number (a stage that skipped its first steps has none yet)."""
-        state = optimizer_state(self.optimizer, self.main)
+        0's). Stage 0 sends its state's tensors (its shard's, with the distributed optimizer),
+        in the order of their names, once both sides agree on their number (a stage that
+        skipped its first steps has none yet)."""
+        state = optimizer_state(self.optimizer, self.copy.master())
         names = [name for name in sorted(state) if torch.is_tensor(state[name])]
-        count = torch.tensor([len(names)], dtype=torch.int64, device=self.main.device)
+        count = torch.tensor([len(names)], dtype=torch.int64, device=self.weight.device)
         if self.is_owner:
             torch.distributed.send(count, dst=self.peer, group=self.group)
             torch.distributed.recv(count, src=self.peer, group=self.group)
@@ -293,8 +517,8 @@ class TiedEmbedding(StageFeature):
 
 def tied_sha256(model, optimizer) -> Optional[str]:
     """SHA-256 of this stage's copy of the tied weight and of its optimizer's master copy
-    (None on a stage that holds neither): equal digests on stage 0 and the last stage mean
-    bit-identical copies."""
+    (this rank's shard with the distributed optimizer; None on a stage that holds neither):
+    equal digests on stage 0 and the last stage mean bit-identical copies."""
     weight = shared_weight(model)
     if weight is None:
         return None

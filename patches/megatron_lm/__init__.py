@@ -20,12 +20,12 @@ from .hooks import (LocalStepOptimizer, LocalStepScheduler, PaciTrainingHooks,
                     stage_local_logical_and, stage_local_max_stat)
 from .imports import prepare_import_path
 from .parser import install_arguments
-from .version import (SUPPORTED_MEGATRON_LM_VERSIONS, VERIFIED_MEGATRON_LM_COMMIT,
+from .version import (SUPPORTED_MEGATRON_LM_VERSIONS, VERIFIED_MEGATRON_LM_COMMITS,
                       UnsupportedMegatronLM, check_megatron_lm, megatron_lm_checkout_version)
 
 __all__ = [
     "MEGATRON_LM_CPU_PATCHES", "LocalStepOptimizer", "LocalStepScheduler", "PaciTrainingHooks",
-    "SUPPORTED_MEGATRON_LM_VERSIONS", "UnsupportedMegatronLM", "VERIFIED_MEGATRON_LM_COMMIT",
+    "SUPPORTED_MEGATRON_LM_VERSIONS", "UnsupportedMegatronLM", "VERIFIED_MEGATRON_LM_COMMITS",
     "apply_megatron_lm_cpu_patches", "check_megatron_lm", "install_arguments",
     "megatron_lm_checkout_version", "prepare_import_path", "stage_local_logical_and",
     "stage_local_max_stat",

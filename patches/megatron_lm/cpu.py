@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
+import inspect
 from typing import Callable, Dict, List
 
 import torch
 
-from ..cpu_gloo import _CpuCuda, _CpuTorch, _redirect_torch, _run_as_cpu, apply_cpu_patches
+from ..cpu_gloo import (_CpuCuda, _CpuStream, _CpuTorch, _redirect_torch, _run_as_cpu,
+                        apply_cpu_patches)
 from .version import _replace, _resolve
 
 
@@ -55,28 +58,11 @@ def cpu_initialize_device() -> bool:
     return _redirect_torch("megatron.training.initialize", _InitializeTorch)
 
 
-class _CpuStream:
-    """A CUDA stream on CPU: work is already ordered, there is nothing to wait for."""
-
-    def wait_stream(self, stream):
-        return None
-
-    def wait_event(self, event):
-        return None
-
-    def synchronize(self):
-        return None
-
-
 class _NoStreams(_CpuCuda):
     """``torch.cuda`` inside ``megatron/training/training.py`` on CPU: ``get_model`` builds DDP
     on a side stream (``Stream()``, ``stream(s)``, ``current_stream().wait_stream``)."""
 
     Stream = _CpuStream
-
-    @staticmethod
-    def current_stream(device=None):
-        return _CpuStream()
 
     @staticmethod
     def stream(stream):
@@ -98,8 +84,12 @@ def cpu_training_tensors() -> bool:
 
 def cpu_training_utils() -> bool:
     """utils.py: the model-parallel reductions (grad norm, update flag, LR for logging) and the
-    TP broadcasts of a batch allocate on ``torch.cuda.current_device()``."""
-    return _redirect_torch("megatron.training.utils")
+    TP broadcasts of a batch allocate on ``torch.cuda.current_device()``. The module is the
+    one that defines them: ``megatron.training.utils`` until 0.17, its ``common_utils`` from
+    0.18 on (``utils`` became a package)."""
+    from megatron.training import utils as mlm_utils
+
+    return _redirect_torch(mlm_utils.reduce_max_stat_across_model_parallel_group.__module__)
 
 
 def cpu_timers() -> bool:
@@ -152,6 +142,23 @@ def cpu_get_model() -> bool:
     return _replace(mlm_training, "get_model", _run_as_cpu(original))
 
 
+def cpu_distributed_models() -> bool:
+    """megatron/training/models/dist_utils.py (Megatron-LM 0.19, where ``get_model``'s
+    wrapping moved): ``model_module.cuda(...)`` and the DDP side stream, as in ``get_model``
+    above (runs once). Absent before 0.19 (0.18 has the module without that function)."""
+    if importlib.util.find_spec("megatron.training.models") is None or \
+            importlib.util.find_spec("megatron.training.models.dist_utils") is None:
+        return False
+    from megatron.training.models import dist_utils
+
+    name = "prepare_existing_model_chunks_for_distributed_training"
+    original = _resolve(f"{dist_utils.__name__}.{name}")[2]
+    if original is None:  # 0.18 has the module, but get_model still wraps the model itself
+        return False
+    changed = _redirect_torch(dist_utils.__name__, _TrainingTorch)
+    return _replace(dist_utils, name, _run_as_cpu(original)) or changed
+
+
 def cpu_evaluate() -> bool:
     """training.py ``evaluate``: the validation-loss accumulator is
     ``torch.tensor([0.0, 0.0]).cuda()``. Evaluation runs under the CUDA-as-CPU mode (every
@@ -163,11 +170,18 @@ def cpu_evaluate() -> bool:
 
 
 def cpu_batch_to_device() -> bool:
-    """utils.py ``get_batch_on_this_tp_rank``: ``tensor.cuda(non_blocking=True)`` for each
-    field of a batch; on CPU the tensors stay where they are."""
+    """Each batch's ``tensor.cuda(non_blocking=True)``: on CPU the tensors stay where they are.
+
+    Through Megatron-LM 0.17 the move is in ``megatron.training.utils.get_batch_on_this_tp_rank``,
+    which runs under the CUDA-as-CPU mode. From 0.18 on that function is megatron-core's (it
+    only broadcasts) and ``pretrain_gpt.py`` itself moves the batch, where no module patch
+    reaches: there, ``Tensor.cuda`` becomes the identity in this process, which on a machine
+    without CUDA changes only calls that would raise."""
     from megatron.training import utils as mlm_utils
 
     original = _resolve("megatron.training.utils.get_batch_on_this_tp_rank")[2]
+    if original is None or "data_iterator" not in inspect.signature(original).parameters:
+        return _tensor_cuda_is_identity()
 
     as_cpu = _run_as_cpu(original)
 
@@ -183,10 +197,29 @@ def cpu_batch_to_device() -> bool:
     return changed
 
 
+def _tensor_cuda_is_identity() -> bool:
+    """``torch.Tensor.cuda`` returns the tensor itself (only ever applied without CUDA)."""
+    original = torch.Tensor.cuda
+    if getattr(original, "_paci_original", None) is not None:
+        return False
+
+    @functools.wraps(original)
+    def cuda(self, *args, **kwargs):
+        return self
+
+    cuda._paci_original = original
+    torch.Tensor.cuda = cuda
+    return True
+
+
 def cpu_fused_kernels() -> bool:
-    """initialize.py ``_compile_dependencies``: ``megatron.legacy.fused_kernels.load(args)``
-    runs ``$CUDA_HOME/bin/nvcc -V`` (and builds nothing else); without CUDA there is no nvcc.
-    The local transformer implementation uses no fused kernel on CPU."""
+    """initialize.py ``_compile_dependencies`` (Megatron-LM 0.16):
+    ``megatron.legacy.fused_kernels.load(args)`` runs ``$CUDA_HOME/bin/nvcc -V`` (and builds
+    nothing else); without CUDA there is no nvcc. The local transformer implementation uses no
+    fused kernel on CPU. 0.17 removed the module, and the call with it."""
+    if importlib.util.find_spec("megatron.legacy") is None or \
+            importlib.util.find_spec("megatron.legacy.fused_kernels") is None:
+        return False
     from megatron.legacy import fused_kernels
 
     def load(args):
@@ -196,13 +229,14 @@ def cpu_fused_kernels() -> bool:
 
 
 def cpu_jit_warmup() -> bool:
-    """initialize.py ``set_jit_fusion_options`` -> ``_warmup_jit_function``: runs the fused
-    bias-GeLU / bias-dropout-add functions a few times on ``device="cuda"`` tensors to compile
-    their GPU kernels before training. On CPU there is nothing to warm up (the CPU flags turn
-    those fusions off), and running them would only draw from the CPU random generator."""
+    """initialize.py ``set_jit_fusion_options`` -> ``_warmup_jit_function`` (0.19 passes
+    ``tp_size``): runs the fused bias-GeLU / bias-dropout-add functions a few times on
+    ``device="cuda"`` tensors to compile their GPU kernels before training. On CPU there is
+    nothing to warm up (the CPU flags turn those fusions off), and running them would only
+    draw from the CPU random generator."""
     from megatron.training import initialize as mlm_initialize
 
-    def _warmup_jit_function():
+    def _warmup_jit_function(*args, **kwargs):
         return None
 
     return _replace(mlm_initialize, "_warmup_jit_function", _warmup_jit_function)
@@ -215,6 +249,7 @@ MEGATRON_LM_CPU_PATCHES: Dict[str, Callable[[], bool]] = {
     "jit_warmup": cpu_jit_warmup,
     "training_tensors": cpu_training_tensors,
     "get_model": cpu_get_model,
+    "distributed_models": cpu_distributed_models,
     "training_utils": cpu_training_utils,
     "batch_to_device": cpu_batch_to_device,
     "timers": cpu_timers,

@@ -7,6 +7,7 @@ the stage-crossing reductions of ``train_step`` stay within the stage."""
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable, List, Optional
 
 import torch
@@ -70,14 +71,15 @@ def _stat_device():
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
 
 
-def stage_local_logical_and(input: bool) -> bool:
+def stage_local_logical_and(input: bool, group=None) -> bool:
     """Replaces ``logical_and_across_model_parallel_group`` in training.py under PACI.
 
     Stock Megatron-LM ANDs the update flag over the model-parallel group (tensor x pipeline)
     after each global step, i.e. across all stages. Under PACI each stage steps on its own:
     the flag comes from this stage's local steps, whose found-inf check already ran over the
     stage's own grad-stats group; it is ANDed over the stage's tensor-parallel group only (no
-    communication with TP=1). Other stages are never waited for."""
+    communication with TP=1). Other stages are never waited for. ``group`` (Megatron-LM 0.19
+    passes the model-parallel group) is not used, for the same reason."""
     group = _stage_group()
     if torch.distributed.get_world_size(group) == 1:
         return bool(input)
@@ -86,7 +88,7 @@ def stage_local_logical_and(input: bool) -> bool:
     return bool(flag.item())
 
 
-def stage_local_max_stat(stat):
+def stage_local_max_stat(stat, group=None):
     """Replaces ``reduce_max_stat_across_model_parallel_group`` in training.py under PACI.
 
     Stock Megatron-LM takes the max of a statistic over the model-parallel group (all stages)
@@ -95,7 +97,7 @@ def stage_local_max_stat(stat):
     stage has parameters and its own values: the max is taken over the stage's tensor-parallel
     group only. The log (printed by the last stage) therefore shows the last stage's grad norm
     and learning rate; every stage's learning rate is the same, because every stage takes the
-    same number of local steps per iteration."""
+    same number of local steps per iteration. ``group`` (0.19) is not used, as above."""
     group = _stage_group()
     if torch.distributed.get_world_size(group) == 1:
         return None if stat is None else float(stat)
@@ -176,19 +178,20 @@ class PaciTrainingHooks:
         ``--rampup-batch-size`` changes the number of micro-batches (Megatron-LM updates it
         before calling ``train_step``), the runtime drains first (``use_microbatches``)."""
 
+        signature = inspect.signature(original)
+
         @functools.wraps(original)
-        def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler,
-                       config, forward_backward_func, iteration=None):
+        def train_step(*args, **kwargs):
             runtime = self.runtime
             if runtime is None:
-                return original(forward_step_func, data_iterator, model, optimizer,
-                                opt_param_scheduler, config, forward_backward_func,
-                                iteration=iteration)
+                return original(*args, **kwargs)
             self.follow_batch_size()
-            return original(forward_step_func, data_iterator, model,
-                            LocalStepOptimizer(optimizer, runtime, len(runtime.steps)),
-                            LocalStepScheduler(opt_param_scheduler), config,
-                            forward_backward_func, iteration=iteration)
+            call = signature.bind(*args, **kwargs)  # the parameters by name, on every release
+            call.arguments["optimizer"] = LocalStepOptimizer(
+                call.arguments["optimizer"], runtime, len(runtime.steps))
+            call.arguments["opt_param_scheduler"] = LocalStepScheduler(
+                call.arguments["opt_param_scheduler"])
+            return original(*call.args, **call.kwargs)
 
         return train_step
 

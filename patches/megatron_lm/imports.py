@@ -6,13 +6,14 @@ through."""
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 import os
 import sys
 import types
 
 from ..cpu_gloo import check_megatron_core_version
-from .version import UnsupportedMegatronLM
+from .version import UnsupportedMegatronLM, _refuse_missing_package
 
 
 _BATCH_INVARIANT = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
@@ -87,8 +88,29 @@ def prepare_import_path(script_dir: str) -> str:
     site = os.path.dirname(os.path.dirname(core_dir))
     index = next((i for i, entry in enumerate(sys.path) if _is_dir(entry, site)), None)
     sys.path.insert(len(sys.path) if index is None else index + 1, script_dir)
+    _import_checkout_training(script_dir, site)
     _use_prebuilt_dataset_helpers()
     return version
+
+
+def _import_checkout_training(script_dir: str, site: str) -> None:
+    """megatron-core 0.17 and later wheels ship a ``megatron.training`` of their own, which
+    would win over the checkout's (the checkout goes after the installed package). The
+    checkout's is the user's Megatron-LM: import it from there, with the checkout first on
+    ``sys.path`` for that one import (``megatron.core`` is already the installed one)."""
+    mine = os.path.join(script_dir, "megatron", "training", "__init__.py")
+    if not os.path.isfile(mine) or "megatron.training" in sys.modules:
+        return
+    if not os.path.isfile(os.path.join(site, "megatron", "training", "__init__.py")):
+        return  # megatron-core 0.16: the checkout's is the only one
+    sys.path.insert(0, script_dir)
+    try:
+        importlib.import_module("megatron.training")
+    except ModuleNotFoundError as exc:
+        _refuse_missing_package(exc)  # a package its __init__ imports (yaml, in 0.17 and 0.18)
+        raise
+    finally:
+        sys.path.remove(script_dir)  # the first entry: the one inserted above
 
 
 def _use_prebuilt_dataset_helpers() -> bool:

@@ -55,7 +55,9 @@ def install_arguments(add_arguments: Callable[[argparse.ArgumentParser], argpars
         return args
 
     parse_args.__doc__ = original.__doc__
-    # initialize.py holds its own reference (from ... import parse_args); others call
-    # arguments.parse_args (ft_integration, inprocess_restart)
+    # initialize.py holds its own reference until 0.17 (from ... import parse_args); others
+    # call arguments.parse_args (ft_integration, inprocess_restart, and from 0.18 on
+    # arguments.parse_and_validate_args, which pretrain_gpt.py calls itself)
     _replace(mlm_arguments, "parse_args", parse_args)
-    _replace(mlm_initialize, "parse_args", parse_args)
+    if getattr(mlm_initialize, "parse_args", None) is original:
+        _replace(mlm_initialize, "parse_args", parse_args)

@@ -1,6 +1,7 @@
-"""The version guard: which megatron-core and Megatron-LM these patches were written for, and
-the signature of every Megatron-LM function they replace. Anything else stops with
-:class:`UnsupportedMegatronLM` naming the versions that work."""
+"""The version guard: which megatron-core and Megatron-LM these patches support
+(``patches/versions.py``), and, for every Megatron-LM function they replace or wrap, the
+parameters the patch relies on. Anything else stops with :class:`UnsupportedMegatronLM`
+naming the versions that work."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ import importlib.util
 import inspect
 import os
 import re
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
-from ..cpu_gloo import SUPPORTED_MCORE_VERSIONS, UnsupportedMegatronVersion, \
-    check_megatron_core_version
+from ..cpu_gloo import UnsupportedMegatronVersion, check_megatron_core_version
+from ..versions import MCORE_RANGE, RELEASES, minor_of, release_of, tested_pairs
 
-SUPPORTED_MEGATRON_LM_VERSIONS = ("0.16.1",)
-VERIFIED_MEGATRON_LM_COMMIT = "55ac7082517c3878ae653c07c09c534b8aed49f6"  # tag core_v0.16.1
+SUPPORTED_MEGATRON_LM_VERSIONS = tuple(r.megatron_lm_tag[len("core_v"):] for r in RELEASES)
+VERIFIED_MEGATRON_LM_COMMITS = {r.megatron_lm_tag: r.megatron_lm_commit for r in RELEASES}
 
 
 class UnsupportedMegatronLM(UnsupportedMegatronVersion):
@@ -23,9 +24,7 @@ class UnsupportedMegatronLM(UnsupportedMegatronVersion):
 
 
 def _supported() -> str:
-    return (f"Megatron-LM {', '.join(SUPPORTED_MEGATRON_LM_VERSIONS)} (e.g. git tag core_v0.16.1, "
-            f"commit {VERIFIED_MEGATRON_LM_COMMIT[:12]}) with megatron-core "
-            f"{', '.join(SUPPORTED_MCORE_VERSIONS)}")
+    return f"the tested pairs: {tested_pairs()}"
 
 
 _VERSION_FIELD = re.compile(r"^(MAJOR|MINOR|PATCH|PRE_RELEASE)\s*=\s*(.+?)\s*(#.*)?$", re.M)
@@ -49,44 +48,38 @@ def _params(fn) -> List[str]:
     return list(inspect.signature(fn).parameters)
 
 
-# function -> the parameters it had when these patches were written (Megatron-LM 0.16.1)
-_EXPECTED_SIGNATURES: Dict[str, List[str]] = {
-    "megatron.training.arguments.parse_args": ["extra_args_provider", "ignore_unknown_args"],
-    "megatron.training.initialize.initialize_megatron": [
-        "extra_args_provider", "args_defaults", "ignore_unknown_args", "allow_no_cuda",
-        "skip_mpu_initialization", "get_embedding_ranks", "get_position_embedding_ranks",
-        "parsed_args", "store"],
-    "megatron.training.training.setup_model_and_optimizer": [
-        "model_provider_func", "model_type", "checkpointing_context"],
-    "megatron.training.training.train_step": [
-        "forward_step_func", "data_iterator", "model", "optimizer", "opt_param_scheduler",
-        "config", "forward_backward_func", "iteration"],
-    "megatron.training.training.train": [
-        "forward_step_func", "model", "optimizer", "opt_param_scheduler", "train_data_iterator",
-        "valid_data_iterator", "process_non_loss_data_func", "config", "checkpointing_context",
-        "non_loss_data_func", "inference_model"],
-    "megatron.training.training.save_checkpoint": [
-        "iteration", "model", "optimizer", "opt_param_scheduler",
-        "num_floating_point_operations_so_far", "checkpointing_context", "pipeline_rank",
-        "expert_rank", "tensor_rank", "pipeline_parallel", "expert_parallel",
-        "non_persistent_ckpt", "train_data_iterator", "preprocess_common_state_dict_fn",
-        "release", "tp_group", "pp_group", "dp_cp_group"],
-    "megatron.training.training.get_model": [
-        "model_provider_func", "model_type", "wrap_with_ddp", "config", "pg_collection"],
-    "megatron.training.training.logical_and_across_model_parallel_group": ["input"],
-    "megatron.training.training.reduce_max_stat_across_model_parallel_group": ["stat"],
-    "megatron.training.training.get_forward_backward_func": ["pp_size", "vp_size"],
-    "megatron.training.training.evaluate_and_print_results": [
-        "prefix", "forward_step_func", "data_iterator", "model", "iteration",
-        "process_non_loss_data_func", "config", "verbose", "write_to_tensorboard",
-        "non_loss_data_func"],
-    "megatron.training.training.evaluate": [
-        "forward_step_func", "data_iterator", "model", "process_non_loss_data_func", "config",
-        "verbose", "non_loss_data_func", "eval_iters"],
-    "megatron.training.initialize._warmup_jit_function": [],
-    "megatron.legacy.fused_kernels.load": ["args"],
-    "megatron.training.utils.get_batch_on_this_tp_rank": ["data_iterator", "mtp_on_this_rank"],
+# function -> the parameters its patch relies on: (names that must lead the signature, in
+# order, because the patch passes them by position; names it passes by keyword, anywhere).
+_NEEDED: Dict[str, Tuple[List[str], List[str]]] = {
+    "megatron.training.arguments.parse_args": (["extra_args_provider", "ignore_unknown_args"], []),
+    "megatron.training.initialize.initialize_megatron": ([], ["allow_no_cuda"]),
+    "megatron.training.training.setup_model_and_optimizer": ([], []),
+    "megatron.training.training.train_step": ([], ["optimizer", "opt_param_scheduler"]),
+    "megatron.training.training.train": ([], []),
+    "megatron.training.training.save_checkpoint": ([], []),
+    "megatron.training.training.get_model": ([], []),
+    "megatron.training.training.logical_and_across_model_parallel_group": (["input"], []),
+    "megatron.training.training.reduce_max_stat_across_model_parallel_group": (["stat"], []),
+    "megatron.training.training.get_forward_backward_func": (["pp_size", "vp_size"], []),
+    "megatron.training.training.evaluate_and_print_results": ([], []),
+    "megatron.training.training.evaluate": ([], []),
+    "megatron.training.initialize._warmup_jit_function": ([], []),
 }
+# present in some supported releases only (the patch is skipped where they are absent)
+OPTIONAL = {
+    "megatron.legacy.fused_kernels.load": (["args"], []),  # removed in 0.17
+}
+
+
+def _mismatch(fn, needed: Tuple[List[str], List[str]]) -> Optional[str]:
+    positional, keywords = needed
+    params = _params(fn)
+    if params[:len(positional)] != positional:
+        return f"expected its parameters to start with {positional}"
+    missing = [name for name in keywords if name not in params]
+    if missing:
+        return f"expected parameters {missing}"
+    return None
 
 
 def _resolve(dotted: str):
@@ -113,15 +106,15 @@ def check_megatron_lm() -> Dict[str, str]:
             f"{_supported()}.")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(spec.origin))))
     checkout = megatron_lm_checkout_version(root)
-    if checkout is not None and checkout not in SUPPORTED_MEGATRON_LM_VERSIONS:
-        raise UnsupportedMegatronLM(
-            f"the Megatron-LM checkout at {root} is version {checkout}; paci_megatron.run "
-            f"supports {_supported()}. Check out that version (git checkout core_v0.16.1).")
+    if checkout is not None:
+        _check_pair(root, checkout, mcore)
     changed = []
-    for dotted, expected in _EXPECTED_SIGNATURES.items():
+    for dotted, needed in {**_NEEDED, **OPTIONAL}.items():
         try:
             _module, _attr, fn = _resolve(dotted)
         except ModuleNotFoundError as exc:
+            if dotted in OPTIONAL and (exc.name or "").startswith("megatron"):
+                continue
             _refuse_missing_package(exc)
             changed.append(f"{dotted}: cannot import ({exc})")
             continue
@@ -129,14 +122,43 @@ def check_megatron_lm() -> Dict[str, str]:
             changed.append(f"{dotted}: cannot import ({exc})")
             continue
         if fn is None:
-            changed.append(f"{dotted}: missing")
-        elif _params(fn) != expected:
-            changed.append(f"{dotted}{inspect.signature(fn)}: expected parameters {expected}")
+            if dotted not in OPTIONAL:
+                changed.append(f"{dotted}: missing")
+            continue
+        reason = _mismatch(fn, needed)
+        if reason:
+            changed.append(f"{dotted}{inspect.signature(fn)}: {reason}")
     if changed:
         raise UnsupportedMegatronLM(
-            f"the Megatron-LM at {root} (version {checkout or 'unknown'}) differs from the one "
+            f"the Megatron-LM at {root} (version {checkout or 'unknown'}) differs from the ones "
             f"these patches were written for ({_supported()}):\n  " + "\n  ".join(changed))
     return {"megatron_core": mcore, "megatron_lm": checkout or "unknown", "megatron_lm_root": root}
+
+
+def _check_pair(root: str, checkout: str, mcore: str) -> None:
+    """A checkout inside the supported range whose minor release is the installed
+    megatron-core's (Megatron-LM's training code calls megatron-core internals of its own
+    release). By minor, as for megatron-core: the tag core_v0.19.0's package_info.py already
+    reads 0.19.1."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        inside = SpecifierSet(MCORE_RANGE).contains(Version(checkout), prereleases=True)
+    except InvalidVersion:
+        inside = False
+    release = release_of(checkout)
+    if release is None or not inside:
+        raise UnsupportedMegatronLM(
+            f"the Megatron-LM checkout at {root} is version {checkout}; paci_megatron.run "
+            f"supports {_supported()}. Check out one of those tags (git checkout "
+            f"{RELEASES[-1].megatron_lm_tag}).")
+    if minor_of(checkout) != minor_of(mcore):
+        raise UnsupportedMegatronLM(
+            f"the Megatron-LM checkout at {root} is version {checkout}, but megatron-core "
+            f"{mcore} is installed: Megatron-LM's training code needs the megatron-core of its "
+            f"own minor release. Install megatron-core=={release.tested[-1]}, or check out "
+            f"{release_of(mcore).megatron_lm_tag}.")
 
 
 def _refuse_missing_package(exc: ModuleNotFoundError) -> None:

@@ -21,7 +21,7 @@ from megatron.core.pipeline_parallel import schedules as mcore_schedules
 from megatron.core.utils import get_model_config, get_model_type
 
 from paci_megatron.features.weight_prediction import grad_factor, predict_ahead
-from paci_megatron.mcore import build, main_params
+from paci_megatron.mcore import build, compat, main_params
 from paci_megatron.mcore.admission import stage_grad_stats_group
 
 from case_args import parse_case_args  # same folder: the script's own
@@ -72,7 +72,7 @@ def run_group(model, data) -> None:
             output, _ = mcore_schedules.forward_step(
                 build.gpt_forward_step, data, model, A, None, [], config, cp_group_size=1,
                 is_first_microbatch=i == 0, current_microbatch=i, is_last_stage=True)
-            mcore_schedules.backward_step(None, output, None, model_type, config)
+            compat.backward_step(None, output, None, model_type, config)
     finalize_model_grads([model], None)
 
 

@@ -40,7 +40,8 @@ BASE = dict(tp=1, dp=1, a=4, n=4, calls=5, dropout=0.0, bf16=False, recompute=Fa
             dist_opt=False, clip=0.3, layers=4, drain_after=None, eval_after=None,
             audit=False, factors=None, tied=False,
             fp16=False, per_token=False, stale_weight=1.0, correction=0.0, predict=False,
-            predict_group=False, overlap=False, lookahead=0.0)
+            predict_group=False, overlap=False, grad_overlap=False, kind="paci",
+            fp16_scales=(19, 20), warmup=8, param_gather=False, lookahead=0.0)
 CASES: Dict[str, Dict] = {
     "p2_a4": dict(pp=2, dropout=0.1),
     "p2_a2": dict(pp=2, a=2, n=8, calls=4),
@@ -63,9 +64,41 @@ CASES: Dict[str, Dict] = {
     "p2_tied": dict(pp=2, a=1, n=4, calls=4, tied=True, dropout=0.1),
     "p4_tied": dict(pp=4, a=2, calls=6, tied=True, drain_after=(3,), eval_after=(2, 4)),
     "p2_tied_bf16": dict(pp=2, a=4, n=4, calls=5, tied=True, bf16=True),
-    # the output-layer gradient is sent before the data-parallel reduction and reduced at
-    # stage 0 with its own
+    # the output-layer gradient as the last stage's data-parallel reduction left it, added to
+    # stage 0's reduced one: stock's all-reduce. The distributed optimizer (fp32: the shard
+    # stepped is a view of the parameter buffer; bf16 with a = 1, lag 2: fp32 master shards),
+    # --overlap-grad-reduce (the reduction runs during the closing backward), fp16 (the
+    # scalers start a factor 2 apart: the half is rescaled, each stage skips on its own),
+    # all of them together, at P=2 and at P=4 with a drain and evaluations without drain
+    # (bf16 with --overlap-param-gather too: the weights gathered by the next forward)
     "p2_dp2_tied": dict(pp=2, dp=2, a=2, tied=True, dropout=0.1),
+    "p2_dp2_tied_distopt": dict(pp=2, dp=2, a=2, tied=True, dist_opt=True, dropout=0.1),
+    "p2_dp2_tied_overlap": dict(pp=2, dp=2, a=2, tied=True, grad_overlap=True, dropout=0.1),
+    "p2_dp2_tied_distopt_bf16_overlap": dict(pp=2, dp=2, a=1, n=4, calls=4, tied=True,
+                                             dist_opt=True, bf16=True, grad_overlap=True,
+                                             dropout=0.1),
+    "p2_tied_fp16": dict(pp=2, a=2, calls=6, tied=True, fp16=True),
+    "p2_dp2_tied_fp16_distopt_overlap": dict(pp=2, dp=2, a=2, calls=6, tied=True, fp16=True,
+                                             dist_opt=True, grad_overlap=True),
+    "p4_dp2_tied_distopt_bf16_overlap": dict(pp=4, dp=2, a=2, calls=6, tied=True, dist_opt=True,
+                                             bf16=True, grad_overlap=True, param_gather=True,
+                                             drain_after=(3,), eval_after=(2, 4)),
+    "p4_dp2_tied_fp16_distopt_overlap": dict(pp=4, dp=2, a=2, calls=6, tied=True, fp16=True,
+                                             dist_opt=True, grad_overlap=True, drain_after=(3,),
+                                             eval_after=(2, 4)),
+    # runtime only, against stock: each stage's first step takes the gradient of group 0 at
+    # the starting weights under PACI too, so stage 0's first step is stock's (the flush
+    # baseline: Megatron's finalize_model_grads with its tied all-reduce) bit for bit; no LR
+    # warm-up (the first step moves the weights), no clipping (PACI clips by the stage's
+    # norm, stock by all stages'), equal fp16 scales
+    **{name + suffix: dict(cfg, pp=2, dp=2, a=2, n=4, calls=1, tied=True, clip=0.0,
+                           dropout=0.1, kind=kind, warmup=0)
+       for name, cfg in (("p2_dp2_tied_overlap_stock", dict(grad_overlap=True)),
+                         ("p2_dp2_tied_distopt_bf16_stock", dict(dist_opt=True, bf16=True,
+                                                                 grad_overlap=True)),
+                         ("p2_dp2_tied_fp16_distopt_stock", dict(dist_opt=True, fp16=True, grad_overlap=True,
+                                                                 fp16_scales=(12, 12))))
+       for suffix, kind in (("", "paci"), ("_flush", "flush"))},
     # stage 0's scaler starts at half of stage 1's and both overflow on their own schedule:
     # gradients are rescaled between scales throughout
     "p2_fp16": dict(pp=2, a=2, calls=6, fp16=True),
@@ -148,13 +181,17 @@ def spec_of(cfg: Dict) -> build.GPTSpec:
 def build_parts(cfg: Dict) -> StageParts:
     """One stage as both modes build it (after Megatron-LM's seeding of this pipeline rank)."""
     spec = spec_of(cfg)
-    model = build.build_gpt_model(spec, seed=SEED, use_distributed_optimizer=cfg["dist_opt"])
+    model = build.build_gpt_model(spec, seed=SEED, use_distributed_optimizer=cfg["dist_opt"],
+                                  overlap_grad_reduce=cfg["grad_overlap"],
+                                  overlap_param_gather=cfg["param_gather"])
     info = build.stage_info()
-    scales = dict(fp16=True, initial_loss_scale=2.0 ** (19 if info["is_first"] else 20),
+    first_scale, other_scale = cfg["fp16_scales"]
+    scales = dict(fp16=True, initial_loss_scale=2.0 ** (first_scale if info["is_first"]
+                                                        else other_scale),
                   loss_scale_window=2, hysteresis=1) if cfg["fp16"] else {}
     opt = build.build_optimizer(model, lr=2e-3, clip_grad=cfg["clip"], bf16=cfg["bf16"],
                                 use_distributed_optimizer=cfg["dist_opt"], **scales)
-    sched = build.build_lr_scheduler(opt, lr=2e-3, min_lr=2e-4, warmup_steps=8,
+    sched = build.build_lr_scheduler(opt, lr=2e-3, min_lr=2e-4, warmup_steps=cfg["warmup"],
                                      decay_steps=400, decay_style="cosine")
     reads = info["is_first"] or info["is_last"]
     data = build.mock_data_iterator(spec, MBS, SEED) if reads else None
@@ -222,13 +259,17 @@ def run_runtime(case: str, out_dir: str) -> None:
         + ([StaleGradCorrection(cfg["correction"])] if cfg["correction"] else []) \
         + ([WeightPrediction(cfg["predict_group"], cfg["overlap"])] if cfg["predict"] else []) \
         + ([Lookahead(cfg["lookahead"])] if cfg["lookahead"] else [])
-    rt = PaciRuntime(kind="paci", accumulation=cfg["a"], features=features,
+    rt = PaciRuntime(kind=cfg["kind"], accumulation=cfg["a"], features=features,
                      policy=AdaptivePlan(cfg["pp"], adaptive) if adaptive else None)
     rt.bind(parts.optimizer, parts.lr_scheduler, lr_increment=cfg["a"] * MBS * info["dp_size"])
+    initial = weights_sha256([parts.model])
     steps: List[Dict] = []
 
     restores: List[bool] = []
     evaluated: List[bool] = []  # per evaluation: true weights inside, the weights back after
+    # the tied exchange's buffers, most at once: the last stage's gradients in flight and
+    # weights received (installed or not), stage 0's weights in flight
+    buffers = dict(grads=0, weights=0)
     moves: List[Dict] = []  # per predicted forward: did the weights move, from what
     true_after_step: List[bool] = []  # the weights are the main copies' cast after each step
 
@@ -237,6 +278,12 @@ def run_runtime(case: str, out_dir: str) -> None:
         after every forward whether each weight is its main copy's cast (the restore)."""
 
         def after_step(self, ctx, record) -> None:
+            tied = rt.tied
+            if tied is not None:
+                held = (len(tied.inbox) + len(tied.spare)) if not tied.is_owner \
+                    else int(tied.weight_send is not None)
+                buffers.update(grads=max(buffers["grads"], len(tied.grad_sends)),
+                               weights=max(buffers["weights"], held))
             steps.append(dict(mb=record.mb, ok=record.update_successful,
                               grad_norm=_hex(record.grad_norm), lr=_hex(record.lr),
                               weights=weights_sha256([parts.model])))
@@ -286,6 +333,7 @@ def run_runtime(case: str, out_dir: str) -> None:
         tied_after_drain=tied_sha256(parts.model, parts.optimizer),
         histogram={str(k): v for k, v in sorted(rt.drift.histogram.items())},
         tied_histogram={str(k): v for k, v in sorted(rt.tied_histogram.items())},
+        tied_buffers=buffers, initial_weights=initial,
         predicted={str(k): v for k, v in sorted(features[-1].predicted.items())}
         if cfg["predict"] else {}, restores=restores, moves=moves,
         true_after_step=true_after_step, evaluated=evaluated))
