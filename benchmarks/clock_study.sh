@@ -1,0 +1,56 @@
+#!/bin/bash
+# The clock study (issue 31; pre-registered in benchmarks/studies/14-clock-study.md): which
+# PACI method reaches 1F1B's loss first with its own cost, in the paper's regime (GPT 8 x 512,
+# bf16, AdamW (0.9, 0.95), wd 0.1, LR 3e-4, 1% warm-up, cosine to 0.1x, 2000 updates, a = M = 8).
+#
+#   bash benchmarks/clock_study.sh PHASE [OUT]   (default OUT=benchmarks/results/clock)
+#
+# PHASE, in order (each a compare run with --reuse: an interrupted phase resumes, a finished
+# one costs nothing; about 10-16 minutes a P=4 run on 2 idle cores):
+#   select   seed 1234, P=4: 1F1B, plain PACI, the look-ahead at C = 0.5, 1 and 2
+#   p4       seeds 3001 and 3002, P=4: 1F1B, interleaved, plain PACI, prediction per forward,
+#            prediction once a group, the look-ahead at the selected C (C=...)
+#   p8       the same at P=8 (8 processes; interleaved projected from 1F1B's curve)
+#
+# Needs the tokenized corpus (once, ~5 s; benchmarks/paper_regime_study.sh says how).
+set -euo pipefail
+PHASE=${1:?usage: clock_study.sh select|p4|p8 [OUT]}
+OUT=${2:-$(dirname "$0")/results/clock}
+DATA=${DATA:-/tmp/cmp_shk}
+C=${C:-}  # the selection's look-ahead strength; p4 and p8 refuse to run without it
+CORPUS=(--data-path "$DATA/shakespeare_text_document" --tokenizer-type SentencePieceTokenizer
+        --tokenizer-model "$DATA/spm.model" --vocab-size 2000 --split 95,5,0
+        --untie-embeddings-and-output-weights --bf16)
+PAPER=("${CORPUS[@]}" --num-layers 8 --hidden-size 512 --num-attention-heads 8 --seq-length 64
+       --hidden-dropout 0.1 --attention-dropout 0.1
+       --micro-batch-size 1 --global-batch-size 8 --adam-beta1 0.9
+       --adam-beta2 0.95 --weight-decay 0.1 --lr-decay-style cosine --lr-warmup-iters 20
+       --eval-interval 50 --eval-iters 16 --log-interval 50 --lr 3e-4 --min-lr 3e-05
+       --train-iters 2000)
+PLAIN="--pipeline-schedule paci --paci-stale-grad-weight 1 --no-paci-weight-prediction"
+PREDICT="--pipeline-schedule paci --paci-stale-grad-weight 1 --paci-weight-prediction"
+GROUP="$PREDICT --paci-weight-prediction-schedule per-group"
+AHEAD="--pipeline-schedule paci --paci-stale-grad-weight 1 --no-paci-weight-prediction"
+compare() { python -m paci_megatron.tools.compare --reuse "$@"; }
+
+report() {  # OUT NPROC SCHEDULES: one seed at a time, then both (reused) for the report
+  local out=$1 nproc=$2 schedules=$3
+  [ -n "$C" ] || { echo "$PHASE: set C to the look-ahead strength the selection chose" >&2; exit 2; }
+  for seeds in 3001 3002 3001,3002; do
+    compare --schedules "$schedules" --seeds "$seeds" --nproc-per-node "$nproc" --out "$out" \
+        --run paci-plain="$PLAIN" --run paci-predict="$PREDICT" --run paci-predict-group="$GROUP" \
+        --run paci-lookahead="$AHEAD --paci-lookahead $C" -- "${PAPER[@]}"
+  done
+}
+
+case "$PHASE" in
+select)
+  compare --schedules 1f1b --seeds 1234 --nproc-per-node 4 --out "$OUT/select" \
+      --run paci-plain="$PLAIN" \
+      --run paci-lookahead1="$AHEAD --paci-lookahead 1" \
+      --run paci-lookahead0.5="$AHEAD --paci-lookahead 0.5" \
+      --run paci-lookahead2="$AHEAD --paci-lookahead 2" -- "${PAPER[@]}" ;;
+p4) report "$OUT/p4" 4 1f1b,interleaved ;;
+p8) report "$OUT/p8" 8 1f1b ;;
+*) echo "unknown phase $PHASE: select, p4 or p8" >&2; exit 2 ;;
+esac
