@@ -1,5 +1,5 @@
 """Drive the PACI authors' runtime (github.com/ItayElam/PACI, patched for CPU as described in
-benchmarks/README.md, "Fidelity vs the authors' code") on tinyshakespeare, P=4, flush or PACI:
+benchmarks/studies/07-fidelity-authors.md) on tinyshakespeare, P=4, flush or PACI:
 
     OMP_NUM_THREADS=1 PACI_PORT=29412 python benchmarks/fidelity_authors.py \
         --authors-root /tmp/paci_authors --mode paci --iters 200 --warmup 10 --eval-every 50 --out X.json

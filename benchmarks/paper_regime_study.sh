@@ -1,5 +1,5 @@
 #!/bin/bash
-# The paper-regime study (issue 20; pre-registered in benchmarks/README.md section 12): GPT
+# The paper-regime study (issue 20; pre-registered in benchmarks/studies/12-paper-regime.md): GPT
 # 8 x 512 on tinyshakespeare, bf16, AdamW (0.9, 0.95), weight decay 0.1, 2000 updates of
 # 8 sequences (a = M = 8, micro-batch 1), 1% warm-up, cosine to 0.1x.
 #

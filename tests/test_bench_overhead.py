@@ -1,6 +1,7 @@
 """The P=1 overhead benchmark's interface: a --quick run's report (no timing threshold: the
-figures live in benchmarks/README.md). Its one hard check is behaviour: at P=1 PACI with
-a=M does stock Megatron's arithmetic, so both arms' losses are equal bit for bit."""
+figures live in benchmarks/studies/05-overhead-p1.md). Its one hard check is behaviour: at
+P=1 PACI with a=M does stock Megatron's arithmetic, so both arms' losses are equal bit for
+bit."""
 
 import json
 import os
