@@ -76,9 +76,10 @@ def _metadata(rt, device) -> None:
 
 
 def _tied(tied) -> None:
-    """Both directions of the tied messages, tied-weight-sized: stage 0 sends, then
-    receives; the last stage receives, then sends."""
-    buf = torch.zeros_like(tied.main)
+    """Both directions of the tied messages (one element makes the pair's communicator:
+    the real messages are a shard, a gradient, a scale): stage 0 sends, then receives; the
+    last stage receives, then sends."""
+    buf = torch.zeros(1, device=tied.weight.device)
     steps = [("send", "recv"), ("recv", "send")][0 if tied.is_owner else 1]
     for step in steps:
         op = torch.distributed.isend if step == "send" else torch.distributed.irecv
