@@ -333,3 +333,17 @@ def test_the_gpu_arithmetic_by_hand():
                                                           / costs.forward, rel=1e-12)
     assert 0.24 < predict.per_predicted_forward < 0.26 and predict.per_step == 0
     assert tta.gpu_method_cost(tta.RunShape("paci", 4, 8, 8), tta.GPU_MODELS["gpt2-medium"]).free
+
+
+def test_a_method_whose_cost_nobody_timed_is_refused_not_left_out():
+    """A run that predicts but carries no timing of its own (older than the timing), and no
+    --project-predict-ms: compare refuses, naming the flags, rather than print it free."""
+    shape = tta.RunShape("paci", 4, 8, 8, predicts=True)
+    with pytest.raises(compare.CompareError, match="--project-predict-ms"):
+        compare.summarize("p", records([5.0, 3.0]), shape, COSTS)
+    given = compare.summarize("p", records([5.0, 3.0]), shape, Costs(1.0, 2.0, 0.0, predict=2.0))
+    assert given["method_cost"].per_predicted_forward == 2.0
+    assert given["method_cost"].source == "--project-predict-ms"
+    with pytest.raises(compare.CompareError, match="--paci-lookahead"):
+        compare.summarize("l", records([5.0, 3.0]), tta.RunShape("paci", 4, 8, 8,
+                                                                 looks_ahead=True), COSTS)

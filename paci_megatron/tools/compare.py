@@ -252,8 +252,16 @@ def measured_method_cost(shape: tta.RunShape, final: Dict, costs: Costs) -> tta.
     ahead = _mean_ratio(final.get("lookahead_ms") or [], forwards) if shape.looks_ahead else 0.0
     source = "its run's timing"
     if predict is None:
+        if not costs.predict:
+            raise CompareError("a run predicts weights but did not time its prediction (a "
+                               "run older than its timing): give its cost, --project-predict-ms "
+                               "MS or --project-costs measured, so that no speed-up leaves it "
+                               "out")
         predict, source = costs.predict / costs.forward, "--project-predict-ms"
-    return tta.MethodCost(predict, ahead or 0.0, source=source)
+    if ahead is None:
+        raise CompareError("a run looks ahead (--paci-lookahead) but did not time its pass: "
+                           "its cost is unknown, so no speed-up is stated for it")
+    return tta.MethodCost(predict, ahead, source=source)
 
 
 def summarize(name: str, records: List[Dict], shape: tta.RunShape, costs: Costs,
