@@ -18,19 +18,10 @@ PHASE=${1:?usage: clock_study.sh select|p4|p8 [OUT]}
 OUT=${2:-$(dirname "$0")/results/clock}
 DATA=${DATA:-/tmp/cmp_shk}
 C=${C:-}  # the selection's look-ahead strength; p4 and p8 refuse to run without it
-CORPUS=(--data-path "$DATA/shakespeare_text_document" --tokenizer-type SentencePieceTokenizer
-        --tokenizer-model "$DATA/spm.model" --vocab-size 2000 --split 95,5,0
-        --untie-embeddings-and-output-weights --bf16)
-PAPER=("${CORPUS[@]}" --num-layers 8 --hidden-size 512 --num-attention-heads 8 --seq-length 64
-       --hidden-dropout 0.1 --attention-dropout 0.1
-       --micro-batch-size 1 --global-batch-size 8 --adam-beta1 0.9
-       --adam-beta2 0.95 --weight-decay 0.1 --lr-decay-style cosine --lr-warmup-iters 20
-       --eval-interval 50 --eval-iters 16 --log-interval 50 --lr 3e-4 --min-lr 3e-05
-       --train-iters 2000)
-PLAIN="--pipeline-schedule paci --paci-stale-grad-weight 1 --no-paci-weight-prediction"
-PREDICT="--pipeline-schedule paci --paci-stale-grad-weight 1 --paci-weight-prediction"
+source "$(dirname "$0")/paper_regime_flags.sh"  # CORPUS, PAPER, LR, PLAIN, PREDICT
+PAPER+=("${LR[@]}" --train-iters 2000)
 GROUP="$PREDICT --paci-weight-prediction-schedule per-group"
-AHEAD="--pipeline-schedule paci --paci-stale-grad-weight 1 --no-paci-weight-prediction"
+AHEAD=$PLAIN  # the look-ahead adds --paci-lookahead C to plain PACI
 compare() { python -m paci_megatron.tools.compare --reuse "$@"; }
 
 report() {  # OUT NPROC SCHEDULES: one seed at a time, then both (reused) for the report
