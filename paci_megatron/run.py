@@ -203,8 +203,11 @@ def report(runtime) -> None:
     if info["is_last"] and info["tp_rank"] == 0 and info["dp_rank"] == 0:
         for row in rows:
             skipped = f", skipped {row['skipped_steps']}" if row["skipped_steps"] else ""
+            warmed = f", start-up exchange {'+'.join(row['startup_exchange'])}" \
+                if row.get("startup_exchange") else ""
             print(f"> PACI stage {row['stage']}: max drift {row['max']} (bound {row['bound']}), "
-                  f"histogram {row['histogram']}, local steps {row['steps']}{skipped}", flush=True)
+                  f"histogram {row['histogram']}, local steps {row['steps']}{skipped}{warmed}",
+                  flush=True)
         if rows[-1].get("tied"):
             stale = rows[-1]["tied"]
             same = "identical" if tied[0] == tied[-1] else "DIFFERENT"

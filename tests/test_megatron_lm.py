@@ -427,7 +427,8 @@ def test_warm_start_drain_before_eval_and_resume_through_the_drop_in(checkout, t
 def test_paci_accepts_tied_embeddings(checkout, tmp_path):
     """Megatron-LM's default, tied input/output embeddings, under PACI at P=2 with a = 1
     (the last stage's copy trails stage 0's by ceil(P/a) = 2 steps): it trains, the tied
-    weight's staleness reaches that bound, and after the final drain both copies are equal."""
+    weight's staleness reaches that bound, after the final drain both copies are equal, and
+    every stage made its start-up exchange."""
     flags = [f for f in MODEL_FLAGS if f != "--untie-embeddings-and-output-weights"]
     rc, out, err = run_pretrain_gpt(checkout, ["--pipeline-schedule", "paci",
                                                "--paci-accumulation-factor", "1", "--save",
@@ -439,6 +440,8 @@ def test_paci_accepts_tied_embeddings(checkout, tmp_path):
     assert float(rows[-1]["loss"]) < float(rows[0]["loss"])
     assert drift(out) == {0: dict(max=1, bound=1, steps=16), 1: dict(max=0, bound=0, steps=16)}
     assert TIED.search(out).groups() == ("2", "2", "identical"), out[-3000:]
+    # the start-up exchange ran through the drop-in too, on both communicators it uses
+    assert out.count("start-up exchange pipeline+embedding") == 2, out[-3000:]
 
 
 @pytest.mark.dist
