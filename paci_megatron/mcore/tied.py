@@ -491,7 +491,7 @@ class TiedEmbedding(StageFeature):
         0's). Stage 0 sends its state's tensors (its shard's, with the distributed optimizer),
         in the order of their names, once both sides agree on their number (a stage that
         skipped its first steps has none yet)."""
-        state = optimizer_state(self.optimizer, self.copy.master())
+        state = optimizer_state(self.optimizer, self.copy.main)  # the key: the tensor itself
         names = [name for name in sorted(state) if torch.is_tensor(state[name])]
         count = torch.tensor([len(names)], dtype=torch.int64, device=self.weight.device)
         if self.is_owner:
