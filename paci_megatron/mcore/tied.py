@@ -492,7 +492,10 @@ class TiedEmbedding(StageFeature):
         in the order of their names, once both sides agree on their number (a stage that
         skipped its first steps has none yet)."""
         state = optimizer_state(self.optimizer, self.copy.main)  # the key: the tensor itself
-        names = [name for name in sorted(state) if torch.is_tensor(state[name])]
+        # the moments; the step count stays the stage's own (one for all its weights: the
+        # distributed optimizer's state_dict asserts it, and fp16 stages skip apart)
+        names = [name for name in sorted(state) if torch.is_tensor(state[name])
+                 and name != "step"]
         count = torch.tensor([len(names)], dtype=torch.int64, device=self.weight.device)
         if self.is_owner:
             torch.distributed.send(count, dst=self.peer, group=self.group)
