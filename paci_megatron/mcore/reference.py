@@ -456,6 +456,7 @@ class PipelineEmulator:
         half is renormalised to a mean over its own (unweighted) tokens."""
         grad, sender_scale = self.tied.received
         self.tied.received = None
+        # the emulator reads scales on the host: it is the CPU reference, never the runtime
         scale = float(stage.parts.optimizer.get_loss_scale())
         if scale != sender_scale:
             grad = grad * (scale / sender_scale)
