@@ -28,6 +28,20 @@ def pipeline_groups() -> ProcessGroupCollection:
     return pg
 
 
+class ThisRankOnly:
+    """The embedding group of a stage that exchanges its tied weight point to point: this rank
+    alone. Megatron's finalize_model_grads asks an embedding group its size and skips the
+    all-reduce at 1 (``_allreduce_embedding_grad``, megatron-core 0.16-0.19), so no
+    communicator is made for it: with the device bound (``device_id``), every ``new_group``
+    is a split that all ranks must join, and only stage 0 and the last stage get here."""
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+
 def stage_local_groups(pg: ProcessGroupCollection) -> ProcessGroupCollection:
     """``pg`` with a one-rank embedding group: finalize_model_grads then skips the tied
     embedding all-reduce between the first and last stage (an embd of None would make it
@@ -35,8 +49,7 @@ def stage_local_groups(pg: ProcessGroupCollection) -> ProcessGroupCollection:
     out = ProcessGroupCollection()
     for name in ("tp", "pp", "cp", "pos_embd", "dp_cp"):
         setattr(out, name, getattr(pg, name))
-    out.embd = torch.distributed.new_group([torch.distributed.get_rank()],
-                                           use_local_synchronization=True)
+    out.embd = ThisRankOnly()
     return out
 
 
@@ -93,7 +106,7 @@ def check_paci_model(model, pg: ProcessGroupCollection) -> None:
 def nccl_model_of(config, warmed: bool = False) -> Optional[NcclModel]:
     """How this run's traffic meets NCCL (``nccl_model.NcclModel``), with a device-wide sync
     possible anywhere (the allocator's retries); None on gloo (sends never block).
-    ``warmed``: the runtime has run the start-up exchange (``nccl_model.warmup_programs``)."""
+    ``warmed``: the runtime has run the start-up exchange (``nccl_warmup.warmup_programs``)."""
     if not torch.distributed.is_initialized() or torch.distributed.get_backend() != "nccl":
         return None
     batched = bool(config.batch_p2p_comm)

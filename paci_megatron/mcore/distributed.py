@@ -50,14 +50,16 @@ def init_distributed(
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
+        backend = backend or ("nccl" if cuda else "gloo")
         if cuda:
             torch.cuda.set_device(local_rank)
         torch.distributed.init_process_group(
-            backend=backend or ("nccl" if cuda else "gloo"),
+            backend=backend,
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
             store=_restart_safe_store(world_size, timedelta(seconds=timeout_s)),
+            device_id=bound_device(backend, cuda, local_rank),
         )
     if not cuda:
         apply_cpu_patches()
@@ -72,6 +74,15 @@ def init_distributed(
     )
     set_random_seed(seed)
     return stage_info()
+
+
+def bound_device(backend: str, cuda: bool, local_rank: int) -> Optional[torch.device]:
+    """The device NCCL's communicators are bound to at ``init_process_group``: each is then
+    made when its group is (Megatron's set-up, in one order on every rank), never by a first
+    use in the middle of PACI's stream. None on gloo (the CPU). Megatron-LM's own
+    ``_initialize_distributed`` binds none, so the drop-in entry point runs lazily made
+    communicators; the start-up exchange makes and connects them there."""
+    return torch.device("cuda", local_rank) if cuda and backend == "nccl" else None
 
 
 def _restart_safe_store(world_size: int, timeout: timedelta):

@@ -1,0 +1,66 @@
+"""Communicators made at set-up on NCCL: ``pretrain_gpt_paci.py`` binds the device at
+``init_process_group`` (``device_id``), and PACI makes no process group of its own, since with
+the device bound every ``new_group`` is a split all ranks must join (issue 30). CPU only:
+the CUDA side is seen through what is passed to torch."""
+
+import importlib
+
+import pytest
+import torch
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from paci_megatron.mcore import admission, distributed
+
+
+@pytest.mark.parametrize("backend,cuda,expected", [
+    ("nccl", True, torch.device("cuda", 3)), ("gloo", True, None), ("gloo", False, None)])
+def test_the_device_is_bound_on_nccl_only(backend, cuda, expected):
+    assert distributed.bound_device(backend, cuda, local_rank=3) == expected
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_init_distributed_binds_the_local_rank_device_on_nccl(monkeypatch):
+    seen = {}
+
+    def init_process_group(**kwargs):
+        seen.update(kwargs)
+        raise _Stop
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: seen.setdefault("set", device))
+    monkeypatch.setattr(torch.distributed, "init_process_group", init_process_group)
+    with pytest.raises(_Stop):
+        distributed.init_distributed(pp=2)
+    assert seen["backend"] == "nccl" and seen["set"] == 1
+    assert seen["device_id"] == torch.device("cuda", 1)
+
+
+def test_the_tied_stages_embedding_group_makes_no_communicator(monkeypatch):
+    """stage_local_groups runs on stage 0 and the last stage only: a new_group there would
+    hang the other ranks' split. Megatron's finalize_model_grads takes its stand-in and skips
+    the tied all-reduce without asking for its ranks (which a two-rank group would)."""
+    def no_group(*args, **kwargs):
+        raise AssertionError("PACI made a process group of its own")
+
+    monkeypatch.setattr(torch.distributed, "new_group", no_group)
+    pg = ProcessGroupCollection()
+    for name in ("tp", "pp", "cp", "pos_embd", "dp_cp", "embd"):
+        setattr(pg, name, object())
+    out = admission.stage_local_groups(pg)
+    assert out.embd.size() == 1 and out.tp is pg.tp and out.dp_cp is pg.dp_cp
+
+    def ranks(group):
+        raise AssertionError("the all-reduce was not skipped")
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_process_group_ranks", ranks)
+    # the module, not the function megatron.core.distributed exports under its name
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    finalize._allreduce_embedding_grad([], out.embd, None, weight_getter=None)
