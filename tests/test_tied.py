@@ -5,7 +5,8 @@ that saves at 4 and 8 (each save drains), and a run resumed from the checkpoint 
 wrote at iteration 4. P=2 with a=1 (lag ceil(P/a) = 2); the same at DP=2 with Megatron's
 realistic flags: the distributed optimizer, --overlap-grad-reduce and --overlap-param-gather
 in bf16, and the distributed optimizer and --overlap-grad-reduce in fp16 (a loss scaler per
-stage, overflows skipped); P=4 with a=2 (lag 2; ``-m slow``). That the runtime implements the
+stage, overflows skipped); both at P=4 x DP=2 too (8 ranks, a=2: lag 2); P=4 with a=2
+(``-m slow``). That the runtime implements the
 exchange exactly as defined (every loss, every stage's weights after every step, the
 staleness of every micro-batch, with a drain and an evaluation without drain) is checked
 against the one-process reference in tests/test_reference.py (``*_tied*``).
@@ -27,26 +28,27 @@ TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
         "--distributed-timeout-minutes", "2", "--pipeline-schedule", "paci",
         "--hidden-dropout", "0.1", "--train-iters", str(ITERS)]
 ACCUMULATION = {2: 1, 4: 2}
-# data parallelism 2 at P=2 (4 ranks; 4 micro-batches an iteration per replica)
-DP2 = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "16"]
-# name -> (stages, ranks, flags)
-CONFIGS = {
-    "P2": (2, 2, []),
-    "P2xDP2-bf16-distopt-overlaps": (2, 4, DP2 + [
-        "--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce",
-        "--overlap-param-gather"]),
-    "P2xDP2-fp16-distopt-overlap": (2, 4, DP2 + [
-        "--fp16", "--initial-loss-scale", "65536", "--loss-scale-window", "2",
-        "--use-distributed-optimizer", "--overlap-grad-reduce"]),
-    "P4": (4, 4, []),
+# data parallelism 2 (4 micro-batches an iteration per replica) with Megatron's realistic
+# flags: the distributed optimizer and overlapped reductions, in bf16 and in fp16
+REALISTIC = {
+    "bf16-distopt-overlaps": ["--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce",
+                              "--overlap-param-gather"],
+    "fp16-distopt-overlap": ["--fp16", "--initial-loss-scale", "65536", "--loss-scale-window",
+                             "2", "--use-distributed-optimizer", "--overlap-grad-reduce"],
 }
+# name -> (stages, ranks, flags)
+CONFIGS = {"P2": (2, 2, []), "P4": (4, 4, [])}
+CONFIGS.update({
+    f"P{P}xDP2-{name}": (P, 2 * P, ["--pipeline-model-parallel-size", str(P),
+                                    "--global-batch-size", "16"] + flags)
+    for P in (2, 4) for name, flags in REALISTIC.items()})
 
 
 def _run(tmp, name, config, flags):
     stages, ranks, extra = CONFIGS[config]
     run = train_paci(TINY + ["--paci-accumulation-factor", str(ACCUMULATION[stages])] + extra
                      + flags, tmp / f"{name}.jsonl", nproc=ranks,
-                     timeout=300 if ranks == 2 else 480)
+                     timeout={2: 300, 4: 480}.get(ranks, 900))
     records = run["records"]
     return dict(run["summary"], final=records[-1],
                 metric_losses={r["iteration"]: r["lm_loss"] for r in records if "lm_loss" in r})
@@ -54,6 +56,7 @@ def _run(tmp, name, config, flags):
 
 @pytest.fixture(scope="module", params=[
     "P2", "P2xDP2-bf16-distopt-overlaps", "P2xDP2-fp16-distopt-overlap",
+    "P4xDP2-bf16-distopt-overlaps", "P4xDP2-fp16-distopt-overlap",
     pytest.param("P4", marks=pytest.mark.slow)])
 def runs(request, tmp_path_factory):
     config = request.param
