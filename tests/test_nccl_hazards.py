@@ -11,7 +11,8 @@ import re
 
 import pytest
 
-from paci_megatron.nccl_model import WARMUP_ORDER, channels_used, run_warmup, warmup_programs
+from paci_megatron.nccl_model import channels_used
+from paci_megatron.nccl_warmup import WARMUP_ORDER, run_warmup, warmup_programs
 from paci_megatron.schedule import Action, Op, Schedule, build_paci, plan_stream
 from paci_megatron.shape import closes_group, tied_lag
 from paci_megatron.simulate import (Costs, DeadlockError, NcclModel, run_nccl, run_stream_nccl,

@@ -6,7 +6,7 @@ that first use holds the host until every member has reached it. In PACI's own o
 first uses can wait for each other: the last stage's first tied-gradient send waits for stage
 0, whose first use of that group comes only after a backward that waits for the last stage
 (``nccl_model``, rule 10; ``tests/test_nccl_hazards.py``). Every rank therefore first runs
-``nccl_model.WARMUP_ORDER``: an all-reduce over its stage's data-parallel group, one over its
+``nccl_warmup.WARMUP_ORDER``: an all-reduce over its stage's data-parallel group, one over its
 stage's grad-stats group, one exchange with both pipeline neighbours in both directions (of
 the run's activation shape, through Megatron's own ``_communicate``, so batched or not as
 the run is), the fp16 / per-token metadata's messages, and on stage 0 and the last stage both
