@@ -51,8 +51,8 @@ def test_the_projection_uses_the_measured_costs(measured):
     row = next(l for l in report.splitlines() if l.startswith("| paci |"))
     assert row.split("|")[7].strip() == f"{paci:.4g}"
     assert "measured on the real model (median of 8; a one-stage model of 2 layers" in report
-    assert (f"paci: {own:.3g} forwards a predicted forward, 0 a step on this machine (its "
-            "run's timing)") in report
+    assert (f"paci: {own:.3g} forwards a predicted forward (by stage {own:.1f}/-), 0 a step "
+            "on this machine (its run's timing)") in report
 
 
 def test_the_report_says_what_the_prediction_cost_in_the_run(measured):
@@ -62,10 +62,10 @@ def test_the_report_says_what_the_prediction_cost_in_the_run(measured):
     final = [json.loads(l) for l in (out / "paci.jsonl").read_text().splitlines()][-1]
     (predict, none), (forward, _) = final["predict_ms"], final["method_forward_ms"]
     assert predict > 0 and forward > 0 and none is None
-    line = ("Weight prediction's cost as the runs timed it: move + restore of a predicted "
-            "forward, in forwards of the same stage, per stage")
+    line = ("Each method's own cost in the projections with it, in forwards of the same "
+            "stage (a predicted forward's move + restore;")
     assert line in (out / "report.md").read_text() and line in stdout
-    assert f"paci {predict / forward:.1f}/-." in stdout
+    assert f"forwards a predicted forward (by stage {predict / forward:.1f}/-)" in stdout
 
 
 def test_timing_flags_make_a_one_stage_model():

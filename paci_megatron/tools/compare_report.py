@@ -70,18 +70,6 @@ def report_table(runs: Dict[str, List[Dict]], base_name: str) -> str:
     return "\n".join(rows)
 
 
-def prediction_cost_line(runs: Dict[str, List[Dict]]) -> str:
-    """What weight prediction cost where the runs timed it ("" when none did)."""
-    timed = {name: _per_stage_mean(seeds, "predict_in_forwards") for name, seeds in runs.items()
-             if all(r.get("predict_in_forwards") for r in seeds)}
-    if not timed:
-        return ""
-    return ("Weight prediction's cost as the runs timed it: move + restore of a predicted "
-            "forward, in forwards of the same stage, per stage (mean over seeds; the runs' "
-            "processes share this machine's cores): "
-            + "; ".join(f"{name} {_fmt(v)}" for name, v in timed.items()) + ".")
-
-
 def speedup_cells(row: Dict, key: str) -> List[Optional[Sequence[float]]]:
     """The speed-ups ``key`` (speedup, vs_interleaved) of a row as the report prints them:
     with the method's own cost on this machine, on the GPU, and, beside them, with the cost
@@ -130,7 +118,8 @@ def tta_table(rows: List[Dict], base_name: str, gpu_name: str = "GPU") -> str:
 
 
 def method_cost_line(runs: Dict[str, List[Dict]], gpu_text: str) -> str:
-    """What each method's cost is in the projection, in forwards of a stage."""
+    """What each method's cost is in the projection, in forwards of a stage (with the
+    prediction's per stage, where the runs timed it)."""
     parts = []
     for name, seeds in runs.items():
         cpu, gpu = seeds[0]["method_cost"], seeds[0]["gpu_method_cost"]
@@ -138,12 +127,17 @@ def method_cost_line(runs: Dict[str, List[Dict]], gpu_text: str) -> str:
             continue
         mean = [sum(getattr(r["method_cost"], k) for r in seeds) / len(seeds)
                 for k in ("per_predicted_forward", "per_step")]
-        parts.append(f"{name}: {mean[0]:.3g} forwards a predicted forward, {mean[1]:.3g} a "
-                     f"step on this machine ({cpu.source}); {gpu.per_predicted_forward:.3g} "
-                     f"and {gpu.per_step:.3g} on the GPU")
-    return ("Each method's own cost in the projections with it (in forwards of a stage): "
-            + "; ".join(parts) + f". GPU costs by arithmetic: {gpu_text}.") if parts else (
-            f"No run's method has a cost of its own. GPU costs by arithmetic: {gpu_text}.")
+        stages = ""
+        if all(r.get("predict_in_forwards") for r in seeds):
+            stages = f" (by stage {_fmt(_per_stage_mean(seeds, 'predict_in_forwards'))})"
+        parts.append(f"{name}: {mean[0]:.3g} forwards a predicted forward{stages}, "
+                     f"{mean[1]:.3g} a step on this machine ({cpu.source}); "
+                     f"{gpu.per_predicted_forward:.3g} and {gpu.per_step:.3g} on the GPU")
+    return ("Each method's own cost in the projections with it, in forwards of the same "
+            "stage (a predicted forward's move + restore; the look-ahead's pass a step; the "
+            "mean over stages and seeds, timed by runs whose processes share this machine's "
+            "cores): " + "; ".join(parts) + f". GPU costs by arithmetic: {gpu_text}.") \
+        if parts else f"No run's method has a cost of its own. GPU costs by arithmetic: {gpu_text}."
 
 
 def budget_table(rows: List[Dict], base_name: str, control_name: str) -> str:
