@@ -7,9 +7,10 @@
 #
 # PHASE, in order (each a compare run with --reuse: an interrupted phase resumes, a finished
 # one costs nothing; about 10-16 minutes a P=4 run on 2 idle cores):
-#   select   seed 1234, P=4: 1F1B, plain PACI, the look-ahead at C = 0.5, 1 and 2
-#   p4       seeds 3001 and 3002, P=4: 1F1B, interleaved, plain PACI, prediction per forward,
-#            prediction once a group, the look-ahead at the selected C (C=...)
+#   select   seed 1234, P=4: the look-ahead at C = 0.5, 1 and 2 (1F1B's and plain PACI's finals on
+#            this seed are study 12's; the rule compares the look-ahead's three runs only)
+#   p4       seeds 3001 and 3002, P=4: 1F1B, interleaved, the look-ahead at the selected C
+#            (C=2, the selection's), prediction per forward, plain PACI, prediction once a group
 #   p8       the same at P=8 (8 processes; interleaved projected from 1F1B's curve)
 #
 # Needs the tokenized corpus (once, ~5 s; benchmarks/paper_regime_study.sh says how).
@@ -17,7 +18,7 @@ set -euo pipefail
 PHASE=${1:?usage: clock_study.sh select|p4|p8 [OUT]}
 OUT=${2:-$(dirname "$0")/results/clock}
 DATA=${DATA:-/tmp/cmp_shk}
-C=${C:-}  # the selection's look-ahead strength; p4 and p8 refuse to run without it
+C=${C:-2}  # the look-ahead strength the selection chose (study 14)
 source "$(dirname "$0")/paper_regime_flags.sh"  # CORPUS, PAPER, LR, PLAIN, PREDICT
 PAPER+=("${LR[@]}" --train-iters 2000)
 GROUP="$PREDICT --paci-weight-prediction-schedule per-group"
@@ -26,18 +27,16 @@ compare() { python -m paci_megatron.tools.compare --reuse "$@"; }
 
 report() {  # OUT NPROC SCHEDULES: one seed at a time, then both (reused) for the report
   local out=$1 nproc=$2 schedules=$3
-  [ -n "$C" ] || { echo "$PHASE: set C to the look-ahead strength the selection chose" >&2; exit 2; }
   for seeds in 3001 3002 3001,3002; do
     compare --schedules "$schedules" --seeds "$seeds" --nproc-per-node "$nproc" --out "$out" \
-        --run paci-plain="$PLAIN" --run paci-predict="$PREDICT" --run paci-predict-group="$GROUP" \
-        --run paci-lookahead="$AHEAD --paci-lookahead $C" -- "${PAPER[@]}"
+        --run paci-lookahead="$AHEAD --paci-lookahead $C" --run paci-predict="$PREDICT" \
+        --run paci-plain="$PLAIN" --run paci-predict-group="$GROUP" -- "${PAPER[@]}"
   done
 }
 
 case "$PHASE" in
 select)
-  compare --schedules 1f1b --seeds 1234 --nproc-per-node 4 --out "$OUT/select" \
-      --run paci-plain="$PLAIN" \
+  compare --seeds 1234 --nproc-per-node 4 --out "$OUT/select" \
       --run paci-lookahead1="$AHEAD --paci-lookahead 1" \
       --run paci-lookahead0.5="$AHEAD --paci-lookahead 0.5" \
       --run paci-lookahead2="$AHEAD --paci-lookahead 2" -- "${PAPER[@]}" ;;
