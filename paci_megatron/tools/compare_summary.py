@@ -16,19 +16,25 @@ class CompareError(ValueError):
     """Bad compare flags; the message names the flag and the fix."""
 
 
-def _mean_ratio(costs: Sequence, forwards: Sequence) -> Optional[float]:
-    """Mean over the stages that timed both of a cost over the same stage's forward."""
-    ratios = [c / f for c, f in zip(costs, forwards) if c and f]
-    return sum(ratios) / len(ratios) if ratios else None
+def stage_ratios(final: Dict, key: str) -> List[Optional[float]]:
+    """Per stage, the cost the run's final record times under ``key`` over the same stage's
+    forward (None or 0 where the stage timed neither)."""
+    forwards = final.get("method_forward_ms") or final.get("predicted_forward_ms") or []
+    return [c and f and c / f for c, f in zip(final.get(key) or [], forwards)]
+
+
+def _mean_ratio(ratios: Sequence[Optional[float]]) -> Optional[float]:
+    """Mean over the stages that timed both."""
+    timed = [r for r in ratios if r]
+    return sum(timed) / len(timed) if timed else None
 
 
 def measured_method_cost(shape: tta.RunShape, final: Dict, costs: Costs) -> tta.MethodCost:
     """The run's method's cost in forwards as the run timed it (per stage, over the same
     stage's forward, the mean over stages); where it did not time it, the projection's own
     --project-predict-ms (a look-ahead always times its pass where it moves anything)."""
-    forwards = final.get("method_forward_ms") or final.get("predicted_forward_ms") or []
-    predict = _mean_ratio(final.get("predict_ms") or [], forwards) if shape.predicts else 0.0
-    ahead = _mean_ratio(final.get("lookahead_ms") or [], forwards) if shape.looks_ahead else 0.0
+    predict = _mean_ratio(stage_ratios(final, "predict_ms")) if shape.predicts else 0.0
+    ahead = _mean_ratio(stage_ratios(final, "lookahead_ms")) if shape.looks_ahead else 0.0
     source = "its run's timing"
     if predict is None:
         if not costs.predict:
@@ -86,9 +92,7 @@ def summarize(name: str, records: List[Dict], shape: tta.RunShape, costs: Costs,
         # per-iteration records know only the logging stage's drift; the final one has all
         "max_drift": final.get("max_drift") or (train[-1]["max_drift"] if train else None),
         # per stage, a predicted forward's move + restore in forwards (None: not predicted)
-        "predict_in_forwards": [p and f and p / f for p, f in zip(
-            final.get("predict_ms") or [],
-            final.get("method_forward_ms") or final.get("predicted_forward_ms") or [])],
+        "predict_in_forwards": stage_ratios(final, "predict_ms"),
         "wall_s": final["wall_s"],
         "train_iters": final["iteration"],
     }
