@@ -38,9 +38,6 @@ class ThisRankOnly:
     def size(self) -> int:
         return 1
 
-    def rank(self) -> int:
-        return 0
-
 
 def stage_local_groups(pg: ProcessGroupCollection) -> ProcessGroupCollection:
     """``pg`` with a one-rank embedding group: finalize_model_grads then skips the tied
