@@ -91,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weight-decay", type=non_negative_float("--weight-decay"), default=0.01)
     g.add_argument("--adam-beta1", type=probability("--adam-beta1"), default=0.9)
     g.add_argument("--adam-beta2", type=probability("--adam-beta2"), default=0.999)
+    g.add_argument("--optimizer", choices=["adam", "nadam"], default="adam",
+                   help="adam: Megatron-Core's Adam with decoupled weight decay (AdamW); "
+                        "nadam: torch's NAdam inside Megatron's wrappers, the same betas "
+                        "(--adam-beta1/2), decoupled weight decay, momentum decay 0.004 "
+                        "(not with --paci-lookahead or --paci-weight-prediction, which "
+                        "follow Adam's steps)")
     g.add_argument("--clip-grad", type=non_negative_float("--clip-grad"), default=1.0)
     g.add_argument("--rampup-batch-size", nargs=3, type=positive("--rampup-batch-size"),
                    default=None, metavar=("START", "INCR", "SAMPLES"),

@@ -178,7 +178,8 @@ def setup(args, opts: PaciConfig) -> Job:
         bf16=args.bf16, use_distributed_optimizer=args.use_distributed_optimizer,
         fp16=args.fp16, loss_scale=args.loss_scale,
         initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
-        loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis)
+        loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
+        optimizer=args.optimizer)
     gbs = args.global_batch_size
     lr_scheduler = build.build_lr_scheduler(
         optimizer, lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_iters * gbs,

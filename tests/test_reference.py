@@ -31,7 +31,8 @@ PP_ONLY = ["p2_a4", "p2_a2", "p2_bf16", "p2_distopt", "p2_drain_eval",
 PARALLEL = ["p2_dp2", "p2_dp2_distopt", "p2_tp2", "p2_dp2_tied", "p2_dp2_stale",
             "p2_dp2_distopt_correct", "p2_dp2_tied_bf16_predict", "p2_dp2_distopt_bf16",
             "p2_dp2_distopt_bf16_predict", "p2_tp2_bf16_predict",
-            "p2_dp2_distopt_bf16_predict_group", "p2_dp2_distopt_bf16_lookahead"]
+            "p2_dp2_distopt_bf16_predict_group", "p2_dp2_distopt_bf16_lookahead",
+            "p2_dp2_distopt_bf16_nadam"]
 # a loss scaler per stage; per-token loss
 PRECISION = ["p2_fp16", "p2_per_token", "p2_per_token_stale", "p2_fp16_correct",
              "p2_tied_per_token_stale", "p2_fp16_predict", "p2_fp16_predict_group",
@@ -394,3 +395,19 @@ def test_lookahead_moves_the_stale_stages_and_evaluates_on_the_true_weights(case
         else:
             assert steps[0]["weights"] != twin_steps[0]["weights"]
             assert steps[1]["grad_norm"] != twin_steps[1]["grad_norm"]
+
+
+def test_nadam_steps_otherwise_than_adam_once_the_learning_rate_is_above_0(results):
+    """--optimizer nadam (the runtime equals the emulator above) against its Adam twin: the
+    first step runs at the warm-up's lr 0 (a record's lr is the scheduler's after its step),
+    where both leave the weights as they were; every later step of every stage lands
+    elsewhere, with the same micro-batch order and drift."""
+    nadam, adam = results("p2_dp2_distopt_bf16_nadam", "runtime"), \
+        results("p2_dp2_distopt_bf16", "runtime")
+    assert sorted(nadam) == sorted(adam)
+    for coord, row in nadam.items():
+        steps, twin = row["steps"], adam[coord]["steps"]
+        assert len(steps) == len(twin) > 2
+        assert steps[0]["weights"] == twin[0]["weights"]
+        assert all(n["weights"] != a["weights"] for n, a in zip(steps[1:], twin[1:]))
+        assert row["histogram"] == adam[coord]["histogram"]

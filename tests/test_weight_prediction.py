@@ -320,6 +320,7 @@ def test_the_fused_kernel_allocates_no_full_size_temporary(tmp_path):
     (["--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
      "--overlap-param-gather"),
     (["--bf16", "--paci-accumulation-factor", "auto"], "--paci-accumulation-factor auto"),
+    (["--bf16", "--optimizer", "nadam"], "not --optimizer nadam"),
 ])
 def test_the_flag_is_refused_where_it_cannot_run_before_any_process_group(extra, message, capsys):
     from launch import megatron_lm_args
@@ -337,6 +338,8 @@ def test_the_flag_is_refused_where_it_cannot_run_before_any_process_group(extra,
                overlap_param_gather="--overlap-param-gather" in extra)
     if "auto" in extra:
         mlm["paci_accumulation_factor"] = "auto"
+    if "nadam" in extra:
+        mlm["optimizer"] = "nadam"
     with pytest.raises(ValueError, match=message.replace("-", r"\-")):
         paci_run.validate_flags(megatron_lm_args(**mlm))
 
@@ -370,6 +373,7 @@ def test_the_flag_reaches_the_runtime_as_given_or_by_default_and_never_under_1f1
     (["--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
      "--overlap-param-gather"),
     (["--fp16", "--paci-accumulation-factor", "auto"], "--paci-accumulation-factor auto"),
+    (["--bf16", "--optimizer", "nadam"], "not --optimizer nadam"),
 ])
 def test_the_default_stays_off_where_the_run_cannot_predict_and_says_why(extra, why):
     opts = _resolved(*extra)
@@ -565,3 +569,18 @@ def test_the_lookahead_runs_c_times_the_mean_drift_ahead_on_the_moments(P, stage
     expected = flat["main"] * (1 - lr * decay) \
         - lr * (m / (1 - 0.9 ** t)) / ((v / (1 - 0.95 ** t)).sqrt() + 1e-8)
     torch.testing.assert_close(ahead, expected, rtol=1e-6, atol=3e-7)
+
+
+def test_the_lookahead_is_refused_with_nadam_before_any_process_group(capsys):
+    """The look-ahead follows Adam's update; NAdam's is another one, so the pair is refused
+    (naming both flags and the fix) where the flags are read, not at the first step."""
+    from paci_megatron.arguments import parse_and_validate
+
+    assert _resolved("--bf16", "--optimizer", "nadam", "--no-paci-weight-prediction")
+    with pytest.raises(SystemExit):
+        parse_and_validate(["--pipeline-model-parallel-size", "2", "--bf16",
+                            "--untie-embeddings-and-output-weights", "--optimizer", "nadam",
+                            "--paci-lookahead", "1"], world_size=2)
+    err = capsys.readouterr().err
+    assert "--paci-lookahead 1 follows Adam's and SGD's steps, not --optimizer nadam" in err
+    assert "use --optimizer adam or drop --paci-lookahead" in err

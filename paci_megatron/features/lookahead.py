@@ -81,6 +81,10 @@ class Lookahead(StageFeature):
         if getattr(args, "paci_weight_prediction", None):
             raise ConfigError(f"--paci-lookahead {strength:g} and --paci-weight-prediction "
                               "both move the weights ahead: choose one")
+        if getattr(args, "optimizer", "adam") not in ("adam", "sgd"):
+            raise ConfigError(f"--paci-lookahead {strength:g} follows Adam's and SGD's "
+                              f"steps, not --optimizer {args.optimizer}: use --optimizer "
+                              "adam or drop --paci-lookahead")
 
     @classmethod
     def from_config(cls, cfg) -> Optional["Lookahead"]:

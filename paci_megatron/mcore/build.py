@@ -28,6 +28,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
 from ..restart import padded_vocab_size
+from . import nadam
 from .data import to_device
 
 # re-exported: a run is built from this one module
@@ -313,7 +314,8 @@ def build_optimizer(
     decoupled_weight_decay: bool = True,
 ):
     """Megatron's Adam (AdamW, or L2 Adam without ``decoupled_weight_decay``) or SGD via
-    ``get_megatron_optimizer``; also sets ``config.grad_scale_func``.
+    ``get_megatron_optimizer``, or ``optimizer="nadam"``: Megatron's Adam with torch's NAdam
+    inside (``nadam.py``); also sets ``config.grad_scale_func``.
     With ``fp16`` the optimizer keeps fp32 main weights and a loss scaler: static with
     ``loss_scale``, else dynamic (Megatron-LM's --initial-loss-scale, --min-loss-scale,
     --loss-scale-window, --hysteresis)."""
@@ -329,7 +331,7 @@ def build_optimizer(
             f"({ddp_config.use_distributed_optimizer})"
         )
     opt_config = OptimizerConfig(
-        optimizer=optimizer,
+        optimizer="adam" if optimizer == "nadam" else optimizer,
         sgd_momentum=sgd_momentum,
         decoupled_weight_decay=decoupled_weight_decay,
         lr=lr,
@@ -348,9 +350,11 @@ def build_optimizer(
         loss_scale_window=loss_scale_window,
         hysteresis=hysteresis,
     )
-    optimizer = get_megatron_optimizer(opt_config, model_chunks)
-    get_model_config(model_chunks[0]).grad_scale_func = optimizer.scale_loss
-    return optimizer
+    built = get_megatron_optimizer(opt_config, model_chunks)
+    if optimizer == "nadam":
+        nadam.use_nadam(built, decoupled_weight_decay=decoupled_weight_decay)
+    get_model_config(model_chunks[0]).grad_scale_func = built.scale_loss
+    return built
 
 
 def build_lr_scheduler(

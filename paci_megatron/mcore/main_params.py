@@ -66,6 +66,9 @@ def optimizer_kind(inner) -> str:
     name = type(inner).__name__
     kinds = set()
     for group in inner.param_groups:
+        if "momentum_decay" in group:  # NAdam's groups have Adam's keys too
+            raise ConfigError("the weight prediction and the look-ahead follow Adam's and "
+                              f"SGD's steps, not {name}'s")
         if "betas" in group:
             if group.get("amsgrad"):
                 raise ConfigError("--paci-weight-prediction does not predict AMSGrad steps")

@@ -41,7 +41,8 @@ BASE = dict(tp=1, dp=1, a=4, n=4, calls=5, dropout=0.0, bf16=False, recompute=Fa
             audit=False, factors=None, tied=False,
             fp16=False, per_token=False, stale_weight=1.0, correction=0.0, predict=False,
             predict_group=False, overlap=False, grad_overlap=False, kind="paci",
-            fp16_scales=(19, 20), warmup=8, param_gather=False, lookahead=0.0)
+            fp16_scales=(19, 20), warmup=8, param_gather=False, lookahead=0.0,
+            optimizer="adam")
 CASES: Dict[str, Dict] = {
     "p2_a4": dict(pp=2, dropout=0.1),
     "p2_a2": dict(pp=2, a=2, n=8, calls=4),
@@ -158,6 +159,9 @@ CASES: Dict[str, Dict] = {
                                           dropout=0.1, lookahead=2.0),
     # the distributed optimizer: each rank predicts its shard, an all-gather completes it
     "p2_dp2_distopt_bf16": dict(pp=2, dp=2, a=2, dist_opt=True, bf16=True, dropout=0.1),
+    # --optimizer nadam (torch's NAdam in Megatron's wrappers) over the distributed optimizer
+    "p2_dp2_distopt_bf16_nadam": dict(pp=2, dp=2, a=2, dist_opt=True, bf16=True, dropout=0.1,
+                                      optimizer="nadam"),
     "p2_dp2_distopt_bf16_predict": dict(pp=2, dp=2, a=2, dist_opt=True, bf16=True, dropout=0.1,
                                         predict=True),
 }
@@ -190,7 +194,8 @@ def build_parts(cfg: Dict) -> StageParts:
                                                         else other_scale),
                   loss_scale_window=2, hysteresis=1) if cfg["fp16"] else {}
     opt = build.build_optimizer(model, lr=2e-3, clip_grad=cfg["clip"], bf16=cfg["bf16"],
-                                use_distributed_optimizer=cfg["dist_opt"], **scales)
+                                use_distributed_optimizer=cfg["dist_opt"],
+                                optimizer=cfg["optimizer"], **scales)
     sched = build.build_lr_scheduler(opt, lr=2e-3, min_lr=2e-4, warmup_steps=cfg["warmup"],
                                      decay_steps=400, decay_style="cosine")
     reads = info["is_first"] or info["is_last"]
