@@ -12,6 +12,9 @@
 #   p4       seeds 3001 and 3002, P=4: 1F1B, interleaved, the look-ahead at the selected C
 #            (C=2, the selection's), prediction per forward, plain PACI, prediction once a group
 #   p8       the same at P=8 (8 processes; interleaved projected from 1F1B's curve)
+#   nadam-select   seed 1234, P=4: plain PACI with --optimizer nadam at beta1 0.95 and 0.99
+#   nadam-p4 / nadam-p8   seeds 3001 and 3002: 1F1B with NAdam (the arm's own baseline) and
+#            plain PACI with NAdam, at B1 (the beta1 nadam-select chose; required)
 #
 # Needs the tokenized corpus (once, ~5 s; benchmarks/paper_regime_study.sh says how).
 set -euo pipefail
@@ -34,6 +37,15 @@ report() {  # OUT NPROC SCHEDULES: one seed at a time, then both (reused) for th
   done
 }
 
+nadam_report() {  # OUT NPROC: the NAdam arm, its own 1F1B the baseline
+  local out=$1 nproc=$2
+  : "${B1:?set B1 to the beta1 that nadam-select chose (study 14)}"
+  for seeds in 3001 3002 3001,3002; do
+    compare --schedules 1f1b --seeds "$seeds" --nproc-per-node "$nproc" --out "$out" \
+        --run paci-nadam="$PLAIN" -- "${PAPER[@]}" --optimizer nadam --adam-beta1 "$B1"
+  done
+}
+
 case "$PHASE" in
 select)
   compare --seeds 1234 --nproc-per-node 4 --out "$OUT/select" \
@@ -42,5 +54,12 @@ select)
       --run paci-lookahead2="$AHEAD --paci-lookahead 2" -- "${PAPER[@]}" ;;
 p4) report "$OUT/p4" 4 1f1b,interleaved ;;
 p8) report "$OUT/p8" 8 1f1b ;;
-*) echo "unknown phase $PHASE: select, p4 or p8" >&2; exit 2 ;;
+nadam-select)
+  compare --seeds 1234 --nproc-per-node 4 --out "$OUT/nadam-select" \
+      --run paci-nadam0.95="$PLAIN --optimizer nadam --adam-beta1 0.95" \
+      --run paci-nadam0.99="$PLAIN --optimizer nadam --adam-beta1 0.99" -- "${PAPER[@]}" ;;
+nadam-p4) nadam_report "$OUT/p4-nadam" 4 ;;
+nadam-p8) nadam_report "$OUT/p8-nadam" 8 ;;
+*) echo "unknown phase $PHASE: select, p4, p8, nadam-select, nadam-p4 or nadam-p8" >&2
+   exit 2 ;;
 esac
