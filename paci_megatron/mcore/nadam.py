@@ -19,14 +19,14 @@ weight decay on asynchronous pipelines.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from ..features.base import sub_optimizers
 
 MOMENTUM_DECAY = 0.004  # torch's default psi
-_PRODUCTS: Dict[tuple, List[float]] = {}  # (beta1, psi, dtype) -> mu_product after 0, 1, ... steps
+_LAST: Dict[tuple, Tuple[int, float]] = {}  # (beta1, psi, dtype) -> the last (step, product)
 
 
 def _scalar_dtype() -> torch.dtype:
@@ -37,16 +37,20 @@ def _scalar_dtype() -> torch.dtype:
 def mu_product_at(step: float, beta1: float, momentum_decay: float = MOMENTUM_DECAY,
                   dtype: Optional[torch.dtype] = None) -> float:
     """NAdam's mu_product after ``step`` steps as torch's own steps leave it, bit for bit: the
-    same float32 scalar multiplications, kept per (beta1, psi), so a run pays one a step."""
+    same float32 scalar multiplications. The last one asked is kept, so a run pays one
+    multiplication a step (and a load its step count once)."""
     dtype = dtype or _scalar_dtype()
-    products = _PRODUCTS.setdefault((float(beta1), float(momentum_decay), dtype), [1.0])
-    if len(products) <= int(step):
-        product = torch.tensor(products[-1], dtype=dtype)
-        while len(products) <= int(step):
-            t = float(len(products))
-            product.mul_(beta1 * (1.0 - 0.5 * (0.96 ** (t * momentum_decay))))
-            products.append(product.item())  # a CPU scalar
-    return products[int(step)]
+    key, step = (float(beta1), float(momentum_decay), dtype), int(step)
+    done, value = _LAST.get(key, (0, 1.0))
+    if done > step:
+        done, value = 0, 1.0
+    if done < step:
+        product = torch.tensor(value, dtype=dtype)
+        for t in range(done + 1, step + 1):
+            product.mul_(beta1 * (1.0 - 0.5 * (0.96 ** (float(t) * momentum_decay))))
+        value = product.item()  # a CPU scalar
+    _LAST[key] = (step, value)
+    return value
 
 
 class MegatronNAdam(torch.optim.NAdam):
