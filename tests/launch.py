@@ -101,6 +101,23 @@ def read_metrics(path) -> List[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def worker_rows(worker: str, out, launches: Sequence[Tuple[int, Sequence[str]]],
+                timeout: float = 300) -> Dict[str, List[dict]]:
+    """Run a case worker (``--out DIR CASE...``) once per (process count, cases) and read back
+    what its ranks wrote, ``DIR/*.json``, as case -> one row a rank."""
+    import glob
+
+    for nproc, cases in launches:
+        run_torchrun(worker, ["--out", str(out), *cases], nproc=nproc, timeout=timeout,
+                     env={"PACI_TEST_HANG_S": str(int(timeout) - 30)})
+    found: Dict[str, List[dict]] = {}
+    for path in sorted(glob.glob(os.path.join(str(out), "*.json"))):
+        with open(path) as f:
+            row = json.load(f)
+        found.setdefault(row["case"], []).append(row)
+    return found
+
+
 def results_by_case(stdout: str) -> Dict[str, dict]:
     """``parse_results`` keyed by each result's ``case``."""
     return {r["case"]: r for r in parse_results(stdout)}

@@ -128,20 +128,10 @@ WORKER = "tests/workers/nadam_cases.py"
 
 @pytest.fixture(scope="module")
 def megatron_rows(tmp_path_factory):
-    import glob
-    import json
+    from launch import worker_rows
 
-    from launch import run_torchrun
-
-    out = tmp_path_factory.mktemp("nadam")
-    for nproc, cases in ((1, ["bf16", "fp16"]), (2, ["dp2_distopt_bf16"])):
-        run_torchrun(WORKER, ["--out", str(out), *cases], nproc=nproc, timeout=300,
-                     env={"PACI_TEST_HANG_S": "270"})
-    found = {}
-    for path in glob.glob(str(out / "*.json")):
-        row = json.load(open(path))
-        found.setdefault(row["case"], []).append(row)
-    return found
+    return worker_rows(WORKER, tmp_path_factory.mktemp("nadam"),
+                       [(1, ["bf16", "fp16"]), (2, ["dp2_distopt_bf16"])])
 
 
 @pytest.mark.dist

@@ -5,12 +5,10 @@ some param groups only, AdamW and L2 Adam, SGD with and without momentum (the wo
 tests/workers/prediction_step_cases.py). The runtime and the emulator share the prediction's
 formulas, so this is their independent reference."""
 
-import glob
-import json
 
 import pytest
 
-from launch import run_torchrun
+from launch import worker_rows
 
 pytestmark = pytest.mark.dist
 
@@ -23,15 +21,7 @@ TWO = ["dp2_bf16_adamw", "dp2_distopt_bf16_adamw", "dp2_distopt_fp16_adam_l2",
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
-    out = tmp_path_factory.mktemp("prediction_step")
-    for nproc, cases in ((1, ONE), (2, TWO)):
-        run_torchrun(WORKER, ["--out", str(out), *cases], nproc=nproc, timeout=300,
-                     env={"PACI_TEST_HANG_S": "270"})
-    found = {}
-    for path in glob.glob(str(out / "*.json")):
-        row = json.load(open(path))
-        found.setdefault(row["case"], []).append(row)
-    return found
+    return worker_rows(WORKER, tmp_path_factory.mktemp("prediction_step"), [(1, ONE), (2, TWO)])
 
 
 @pytest.mark.parametrize("case", ONE[:-1] + TWO)
