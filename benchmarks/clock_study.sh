@@ -14,7 +14,7 @@
 #   p8       the same at P=8 (8 processes; interleaved projected from 1F1B's curve)
 #   nadam-select   seed 1234, P=4: plain PACI with --optimizer nadam at beta1 0.95 and 0.99
 #   nadam-p4 / nadam-p8   seeds 3001 and 3002: 1F1B with NAdam (the arm's own baseline) and
-#            plain PACI with NAdam, at B1 (the beta1 nadam-select chose; required)
+#            plain PACI with NAdam, at beta1 B1 (0.95, nadam-select's choice)
 #
 # Needs the tokenized corpus (once, ~5 s; benchmarks/paper_regime_study.sh says how).
 set -euo pipefail
@@ -22,6 +22,7 @@ PHASE=${1:?usage: clock_study.sh select|p4|p8 [OUT]}
 OUT=${2:-$(dirname "$0")/results/clock}
 DATA=${DATA:-/tmp/cmp_shk}
 C=${C:-2}  # the look-ahead strength the selection chose (study 14)
+B1=${B1:-0.95}  # NAdam's beta1, which its selection chose (study 14)
 source "$(dirname "$0")/paper_regime_flags.sh"  # CORPUS, PAPER, LR, PLAIN, PREDICT
 PAPER+=("${LR[@]}" --train-iters 2000)
 GROUP="$PREDICT --paci-weight-prediction-schedule per-group"
@@ -39,7 +40,6 @@ report() {  # OUT NPROC SCHEDULES: one seed at a time, then both (reused) for th
 
 nadam_report() {  # OUT NPROC: the NAdam arm, its own 1F1B the baseline
   local out=$1 nproc=$2
-  : "${B1:?set B1 to the beta1 that nadam-select chose (study 14)}"
   for seeds in 3001 3002 3001,3002; do
     compare --schedules 1f1b --seeds "$seeds" --nproc-per-node "$nproc" --out "$out" \
         --run paci-nadam="$PLAIN" -- "${PAPER[@]}" --optimizer nadam --adam-beta1 "$B1"
