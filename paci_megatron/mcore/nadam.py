@@ -48,7 +48,7 @@ def mu_product_at(step: float, beta1: float, momentum_decay: float = MOMENTUM_DE
         product = torch.tensor(value, dtype=dtype)
         for t in range(done + 1, step + 1):
             product.mul_(beta1 * (1.0 - 0.5 * (0.96 ** (float(t) * momentum_decay))))
-        value = product.item()  # a CPU scalar
+        value = product.item()  # a CPU tensor made here: no device sync
     _LAST[key] = (step, value)
     return value
 
@@ -86,9 +86,9 @@ class MegatronNAdam(torch.optim.NAdam):
         scalars only: torch keeps both on the CPU and reads 'step' each step itself)."""
         started = [self.state[p] for p in group["params"] if self.state.get(p)]
         count = group.get("step")
-        if count is None:  # a checkpoint of torch's Adam keeps the step per parameter
+        if count is None:  # once, after loading torch Adam's per-parameter steps (CPU tensors)
             count = max((float(s["step"]) for s in started if "step" in s), default=0.0)
-        count = float(count)
+        count = float(count)  # a Python number: this class writes it, Megatron's load restores it
         dtype = _scalar_dtype()
         product = mu_product_at(count, group["betas"][0], group["momentum_decay"], dtype)
         for state in started:
