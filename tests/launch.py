@@ -77,14 +77,17 @@ def run_torchrun(
 
 
 def parse_results(stdout: str, prefix: str = "RESULT ") -> List[dict]:
-    """The JSON objects printed by the workers as ``<prefix>{json}``. Ranks share one pipe and
-    an unbuffered print() writes its newline separately, so two results can share a line."""
-    decoder, found = json.JSONDecoder(), []
-    for line in stdout.splitlines():
-        pos = 0
-        while line.startswith(prefix, pos):
-            obj, pos = decoder.raw_decode(line, pos + len(prefix))
+    """The JSON objects printed by the workers as ``<prefix>{json}``, found anywhere in the
+    output: ranks share one pipe, so a result can land after another rank's unfinished line
+    (a CI run lost rank 0's that way) or share a line with another result."""
+    decoder, found, pos = json.JSONDecoder(), [], stdout.find(prefix)
+    while pos >= 0:
+        try:
+            obj, end = decoder.raw_decode(stdout, pos + len(prefix))
             found.append(obj)
+        except json.JSONDecodeError:  # the prefix quoted in text, not a result
+            end = pos + len(prefix)
+        pos = stdout.find(prefix, end)
     return found
 
 
