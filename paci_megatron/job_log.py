@@ -9,7 +9,7 @@ import time
 from typing import Dict, List, Optional
 
 from .features.weight_prediction import cost_lines, default_off_line
-from .mcore import build
+from .mcore import build, nadam
 from .mcore import runtime as mcore_runtime
 from .restart import trim_metrics
 
@@ -157,8 +157,18 @@ def log_start(job) -> None:
         + (f", stock 1F1B from iteration {opts.shape.cooldown_start + 1} on "
            "(--paci-cooldown-iters)" if opts.shape.cooldown_start is not None else "")
         + (f", {features}" if features else ""))
+    log(optimizer_line(args))
     if opts.prediction_off:
         log(default_off_line(opts.prediction_off))
+
+
+def optimizer_line(args) -> str:
+    """Which optimizer steps, as the flags chose it (NAdam is not Megatron's own)."""
+    name = {"adam": "Megatron-Core's Adam", "nadam": "torch's NAdam in Megatron-Core's Adam "
+            f"wrappers, momentum decay {nadam.MOMENTUM_DECAY:g}"}[args.optimizer]
+    return (f"> optimizer {args.optimizer} ({name}): betas ({args.adam_beta1:g}, "
+            f"{args.adam_beta2:g}), decoupled weight decay {args.weight_decay:g}, "
+            f"clip-grad {args.clip_grad:g}")
 
 
 def log_final_drift(dropped: int, drift: List[Dict]) -> None:

@@ -96,6 +96,8 @@ def test_resume_is_exact(schedule, tmp_path):
     _, out, _ = _train(flags + ["--train-iters", "8", "--load", str(tmp_path / "b"),
                                 "--metrics-file", str(second)])
     assert "loaded checkpoint" in out
+    optimizer = "nadam" if "nadam" in schedule else "adam"
+    assert out.count(f"> optimizer {optimizer} (") == 1, out[-3000:]
     whole, resumed = _losses(one), {**_losses(first), **_losses(second)}
     assert sorted(resumed) == list(range(1, 9))
     assert resumed == whole  # bit for bit (JSON floats round-trip exactly)
