@@ -27,7 +27,8 @@ source "$(dirname "$0")/paper_regime_flags.sh"  # CORPUS, PAPER, LR, PLAIN, PRED
 PAPER+=("${LR[@]}" --train-iters 2000)
 GROUP="$PREDICT --paci-weight-prediction-schedule per-group"
 AHEAD=$PLAIN  # the look-ahead adds --paci-lookahead C to plain PACI
-compare() { python -m paci_megatron.tools.compare --reuse "$@"; }
+TIMEOUT=${TIMEOUT:-14400}  # seconds a run may take: a P=8 run on a slow machine passes 1 h
+compare() { python -m paci_megatron.tools.compare --reuse --timeout "$TIMEOUT" "$@"; }
 
 report() {  # OUT NPROC SCHEDULES: one seed at a time, then both (reused) for the report
   local out=$1 nproc=$2 schedules=$3
