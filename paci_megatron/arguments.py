@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 from .config import Layout, PaciConfig, add_paci_arguments, rampup_micro_batches, resolve
 from .flag import ConfigError, bounded_float, bounded_int, non_negative_float, path, positive, \
     probability
-from .quiet import is_local_rank0
+from .quiet import exit_after_local_rank0, is_local_rank0
 
 # pretrain_gpt_paci.py's flags whose default differs from Megatron-LM 0.16.1's (same name,
 # same meaning), and why; docs/megatron-lm.md lists them, tests/test_megatron_lm.py keeps the
@@ -40,7 +40,7 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         if is_local_rank0():
             self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-        self.exit(2)
+        exit_after_local_rank0(2)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,8 +11,15 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import time
 import warnings
-from typing import Optional
+from typing import NoReturn, Optional
+
+# How long a rank that leaves a start-up error to local rank 0 waits before it exits: torchrun
+# stops every rank as soon as one exits, so a silent rank that exits first can stop local
+# rank 0 before it printed (seen under load: a bad --pipeline-schedule exited 2 with no
+# message). Local rank 0 exits as soon as it has printed, so the wait costs nothing then.
+REPORTER_WAIT_S = 30.0
 
 # "Transformer Engine and Apex are not installed. Falling back to Torch optimizers." and
 # "Apex is not installed. Falling back to Torch Norm" (megatron-core 0.16.1 and Megatron-LM)
@@ -45,3 +52,10 @@ def is_local_rank0() -> bool:
     """Under torchrun every rank of a node shares the terminal: errors found before any
     process group (each rank finds the same one) are printed by local rank 0 only."""
     return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+def exit_after_local_rank0(code: int = 2) -> NoReturn:
+    """A rank that found the error local rank 0 reports: exit once local rank 0 has had the
+    time to print it (torchrun stops this rank sooner, when local rank 0 exits)."""
+    time.sleep(REPORTER_WAIT_S)
+    raise SystemExit(code)

@@ -25,7 +25,7 @@ from .job_log import (final_record, log, log_final_drift, log_iteration, log_sta
                       memory_record, pipeline_table, tensorboard_writer, trim_metrics_file,
                       write_metrics)
 from .memory import LiveTensorMeter, SavedTensorMeter
-from .quiet import is_local_rank0, is_rank0
+from .quiet import exit_after_local_rank0, is_local_rank0, is_rank0
 from .config import PaciConfig
 from .registry import SCHEDULES_BY_NAME
 from .restart import (SaveClock, describe_mismatch, describe_reshard, describe_switch,
@@ -456,8 +456,9 @@ def run(args, opts: PaciConfig) -> int:
     try:
         train(args, opts)
     except ConfigError as exc:
-        if is_local_rank0():  # every rank found it, before any process group
-            print(f"pretrain_gpt_paci.py: error: {exc}", file=sys.stderr, flush=True)
+        if not is_local_rank0():  # every rank found it, before any process group
+            exit_after_local_rank0(2)
+        print(f"pretrain_gpt_paci.py: error: {exc}", file=sys.stderr, flush=True)
         return 2
     return 0
 

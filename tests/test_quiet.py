@@ -32,3 +32,33 @@ def test_a_bad_flag_prints_one_error_line_once():
     messages = error_messages(out + err)
     assert len(messages) == 1 and names_flag(messages[0], "--num-layers"), out + err[-3000:]
     assert "usage:" not in out + err
+
+
+@pytest.mark.parametrize("where", ["paci", "megatron_lm"])
+def test_a_silent_rank_waits_for_local_rank_0_to_print(where, monkeypatch, capsys):
+    """torchrun stops every rank once one exits: a rank that leaves the error line to local
+    rank 0 must not exit first (it sleeps, and torchrun stops it when local rank 0 exits),
+    or local rank 0 may be stopped before it printed (a bad --pipeline-schedule once exited 2
+    with no message at all). Local rank 0 prints and exits at once."""
+    from paci_megatron import arguments, quiet
+    from paci_megatron.patches.megatron_lm import parser as mlm_parser
+
+    module = quiet if where == "paci" else mlm_parser
+    slept = []
+    monkeypatch.setattr(module.time, "sleep", slept.append)
+    if where == "paci":
+        parser = arguments.build_parser()
+    else:
+        parser = __import__("argparse").ArgumentParser(prog="pretrain_gpt.py")
+        parser.add_argument("--num-layers", type=int)
+        mlm_parser._one_line_errors(parser)
+    for local_rank, waits in (("1", [module.REPORTER_WAIT_S]), ("0", [])):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        slept.clear()
+        with pytest.raises(SystemExit) as exit_:
+            parser.parse_args(["--num-layers", "abc"])
+        assert exit_.value.code == 2 and slept == waits
+        err = capsys.readouterr().err
+        assert (": error: argument --num-layers: " in err and "'abc'" in err) \
+            == (local_rank == "0"), err
+    assert module.REPORTER_WAIT_S >= 10  # longer than local rank 0's start-up lag under load

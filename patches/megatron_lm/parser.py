@@ -6,9 +6,21 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Callable, Optional
+import time
+from typing import Callable, NoReturn, Optional
 
 from .version import _replace, _resolve
+
+
+# How long a rank that leaves a start-up error to another waits before it exits: torchrun stops
+# every rank once one exits, and a silent rank exiting first could stop the reporting rank
+# before it printed. The reporting rank exits once it has printed, so the wait costs nothing.
+REPORTER_WAIT_S = 30.0
+
+
+def _exit_after_reporter(code: int = 2) -> NoReturn:
+    time.sleep(REPORTER_WAIT_S)
+    sys.exit(code)
 
 
 def _one_line_errors(parser: argparse.ArgumentParser) -> None:
@@ -17,7 +29,7 @@ def _one_line_errors(parser: argparse.ArgumentParser) -> None:
     def error(message: str):
         if os.environ.get("LOCAL_RANK", "0") == "0":
             parser.exit(2, f"{parser.prog}: error: {message}\n")
-        parser.exit(2)
+        _exit_after_reporter(2)
 
     parser.error = error
 
@@ -48,9 +60,10 @@ def install_arguments(add_arguments: Callable[[argparse.ArgumentParser], argpars
             try:
                 validate(args)
             except ValueError as exc:
-                if args.rank == 0:
-                    print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr,
-                          flush=True)
+                if args.rank != 0:
+                    _exit_after_reporter(2)
+                print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr,
+                      flush=True)
                 sys.exit(2)
         return args
 
