@@ -8,6 +8,7 @@ import json
 import time
 from typing import Dict, List, Optional
 
+from .features.base import optimizer_of
 from .features.weight_prediction import cost_lines, default_off_line
 from .mcore import build, nadam
 from .mcore import runtime as mcore_runtime
@@ -165,8 +166,8 @@ def log_start(job) -> None:
 def optimizer_line(args) -> str:
     """Which optimizer steps, as the flags chose it (NAdam is not Megatron's own)."""
     name = {"adam": "Megatron-Core's Adam", "nadam": "torch's NAdam in Megatron-Core's Adam "
-            f"wrappers, momentum decay {nadam.MOMENTUM_DECAY:g}"}[args.optimizer]
-    return (f"> optimizer {args.optimizer} ({name}): betas ({args.adam_beta1:g}, "
+            f"wrappers, momentum decay {nadam.MOMENTUM_DECAY:g}"}[optimizer_of(args)]
+    return (f"> optimizer {optimizer_of(args)} ({name}): betas ({args.adam_beta1:g}, "
             f"{args.adam_beta2:g}), decoupled weight decay {args.weight_decay:g}, "
             f"clip-grad {args.clip_grad:g}")
 

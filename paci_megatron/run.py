@@ -44,6 +44,9 @@ from .flag import ConfigError
 from .quiet import fallback_notice
 from .restart import restart_count
 
+NADAM = "nadam"
+NADAM_HELP = ("nadam (paci_megatron.run): torch's NAdam inside Megatron-Core's Adam wrappers, "
+              "the same betas, decoupled weight decay.")
 USAGE = ("usage: python -m paci_megatron.run path/to/Megatron-LM/pretrain_gpt.py "
          "[Megatron-LM flags] [--pipeline-schedule {1f1b,interleaved,paci}] [--paci-... flags]")
 
@@ -54,9 +57,35 @@ def _rank0() -> bool:
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """PACI's flags in Megatron-LM's parser: the same table as pretrain_gpt_paci.py's, with
-    Megatron-LM's own schedule (1f1b) as the default, so that nothing changes unasked."""
+    Megatron-LM's own schedule (1f1b) as the default, so that nothing changes unasked; and
+    ``nadam`` among Megatron-LM's ``--optimizer`` choices."""
+    from .patches import megatron_lm
+
+    megatron_lm.add_optimizer_choice(parser, NADAM, NADAM_HELP)
     return add_paci_arguments(parser, schedule_default="1f1b",
                               title="PACI pipeline schedule (paci_megatron.run)")
+
+
+def requested_optimizer(argv: Sequence[str]) -> Optional[str]:
+    """The command line's --optimizer, as Megatron-LM's parser will read it (None if absent)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--optimizer")
+    return parser.parse_known_args(list(argv))[0].optimizer
+
+
+def use_nadam(optimizer, config) -> None:
+    """``--optimizer nadam``: torch's NAdam in the place of the Adam Megatron just built (its
+    wrappers, main copies, shards and clipping stay Megatron's, as in pretrain_gpt_paci.py)."""
+    from .job_log import optimizer_line
+    from .mcore import nadam
+
+    nadam.use_nadam(optimizer, decoupled_weight_decay=getattr(config, "decoupled_weight_decay",
+                                                              True))
+    if _rank0():
+        view = argparse.Namespace(paci_optimizer=NADAM, adam_beta1=config.adam_beta1,
+                                  adam_beta2=config.adam_beta2, weight_decay=config.weight_decay,
+                                  clip_grad=config.clip_grad)
+        print(f"> paci_megatron.run: {optimizer_line(view)[2:]}", flush=True)
 
 
 def parse_paci_arguments(argv: Sequence[str]) -> argparse.Namespace:
@@ -107,6 +136,16 @@ def validate_flags(args: argparse.Namespace) -> Optional[PaciConfig]:
     if getattr(args, "apply_layernorm_1p", False):
         raise ConfigError(ZERO_CENTERED_GAMMA)
     refuse_stage_crossing_collectives(args)
+    return cfg
+
+
+def check_and_adapt(args: argparse.Namespace) -> Optional[PaciConfig]:
+    """``validate_flags``, then Megatron-LM's args as it can run them: ``--optimizer nadam``
+    reaches it as ``adam`` (the choice stays in ``args.paci_optimizer``)."""
+    from .patches import megatron_lm
+
+    cfg = validate_flags(args)
+    megatron_lm.take_optimizer_choice(args, NADAM)
     return cfg
 
 
@@ -236,13 +275,15 @@ def install(argv: Sequence[str], script: str) -> dict:
     megatron_lm.prepare_import_path(os.path.dirname(script))
     versions = megatron_lm.check_megatron_lm()
     cpu = megatron_lm.apply_megatron_lm_cpu_patches()
-    megatron_lm.install_arguments(add_arguments, validate=validate_flags)
+    megatron_lm.install_arguments(add_arguments, validate=check_and_adapt)
     installed = {"schedule": ours.pipeline_schedule, "cpu_patches": cpu, "hooks": [], **versions}
+    if requested_optimizer(argv) == NADAM:
+        installed["hooks"] += megatron_lm.install_inner_optimizer(use_nadam)
     if ours.pipeline_schedule == "paci":
         hooks = megatron_lm.PaciTrainingHooks(make_runtime, report=report,
                                               drain_before_eval=ours.paci_drain_before_eval)
         hooks.log = _log_last_stage(hooks)
-        installed["hooks"] = hooks.install()
+        installed["hooks"] += hooks.install()
     return installed
 
 

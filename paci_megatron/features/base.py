@@ -15,6 +15,13 @@ from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tupl
 from ..executor import DriftStats
 
 
+def optimizer_of(args) -> str:
+    """--optimizer as the user chose it. The Megatron-LM drop-in hands Megatron-LM ``adam`` for
+    ``nadam`` (Megatron builds Adam's wrappers, NAdam then takes the inner Adam's place) and
+    keeps the choice in ``paci_optimizer``."""
+    return getattr(args, "paci_optimizer", None) or getattr(args, "optimizer", "adam")
+
+
 def sub_optimizers(optimizer) -> list:
     """Megatron's chained optimizer's parts, or the optimizer itself."""
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])

@@ -29,7 +29,7 @@ import math
 from typing import Optional
 
 from ..flag import ConfigError, Flag
-from .base import StageContext, StageFeature
+from .base import StageContext, StageFeature, optimizer_of
 from .timer import SpanTimer
 
 LOOKAHEAD_FLAG = Flag(
@@ -81,9 +81,9 @@ class Lookahead(StageFeature):
         if getattr(args, "paci_weight_prediction", None):
             raise ConfigError(f"--paci-lookahead {strength:g} and --paci-weight-prediction "
                               "both move the weights ahead: choose one")
-        if getattr(args, "optimizer", "adam") not in ("adam", "sgd"):
+        if optimizer_of(args) not in ("adam", "sgd"):
             raise ConfigError(f"--paci-lookahead {strength:g} follows Adam's and SGD's "
-                              f"steps, not --optimizer {args.optimizer}: use --optimizer "
+                              f"steps, not --optimizer {optimizer_of(args)}: use --optimizer "
                               "adam or drop --paci-lookahead")
 
     @classmethod

@@ -31,7 +31,7 @@ from collections import Counter
 from typing import Callable, List, Optional, Tuple
 
 from ..flag import ConfigError, Flag
-from .base import StageContext, StageFeature
+from .base import StageContext, StageFeature, optimizer_of
 from .prediction_pass import host_coefficients, predict, scalars_to_device
 from .timer import SpanTimer
 
@@ -80,8 +80,8 @@ def unsupported(args) -> str:
                 "backward falls into the next call, whose factor auto decides only when that "
                 "call starts (so that deciding never stalls a stage), so the forward's steps "
                 "ahead are not known when it runs; give a fixed factor")
-    if getattr(args, "optimizer", "adam") not in ("adam", "sgd"):
-        return f"predicts Adam's and SGD's steps only, not --optimizer {args.optimizer}"
+    if optimizer_of(args) not in ("adam", "sgd"):
+        return f"predicts Adam's and SGD's steps only, not --optimizer {optimizer_of(args)}"
     if getattr(args, "paci_lookahead", None):
         return ("does not combine with --paci-lookahead: both move the weights ahead; "
                 "choose one")

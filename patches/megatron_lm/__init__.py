@@ -7,6 +7,7 @@ module per job, in the order ``paci_megatron.run.install`` applies them:
   for, and every patched function must still have the signature they expect;
 * ``cpu``: the places in ``megatron/training`` that assume a GPU (only without CUDA);
 * ``parser``: PACI's flags (the caller's table) in Megatron-LM's argument parser;
+* ``optimizer``: ``--optimizer nadam``, an optimizer Megatron-LM does not build (any schedule);
 * ``hooks``: the PACI runtime in Megatron-LM's training loop (``--pipeline-schedule paci``).
 
 Everything patched is looked up where Megatron-LM looks it up (module globals of
@@ -19,6 +20,7 @@ from .cpu import MEGATRON_LM_CPU_PATCHES, apply_megatron_lm_cpu_patches
 from .hooks import (LocalStepOptimizer, LocalStepScheduler, PaciTrainingHooks,
                     stage_local_logical_and, stage_local_max_stat)
 from .imports import prepare_import_path
+from .optimizer import add_optimizer_choice, install_inner_optimizer, take_optimizer_choice
 from .parser import install_arguments
 from .version import (SUPPORTED_MEGATRON_LM_VERSIONS, VERIFIED_MEGATRON_LM_COMMITS,
                       UnsupportedMegatronLM, check_megatron_lm, megatron_lm_checkout_version)
@@ -26,7 +28,8 @@ from .version import (SUPPORTED_MEGATRON_LM_VERSIONS, VERIFIED_MEGATRON_LM_COMMI
 __all__ = [
     "MEGATRON_LM_CPU_PATCHES", "LocalStepOptimizer", "LocalStepScheduler", "PaciTrainingHooks",
     "SUPPORTED_MEGATRON_LM_VERSIONS", "UnsupportedMegatronLM", "VERIFIED_MEGATRON_LM_COMMITS",
-    "apply_megatron_lm_cpu_patches", "check_megatron_lm", "install_arguments",
-    "megatron_lm_checkout_version", "prepare_import_path", "stage_local_logical_and",
-    "stage_local_max_stat",
+    "add_optimizer_choice", "apply_megatron_lm_cpu_patches", "check_megatron_lm",
+    "install_arguments", "install_inner_optimizer", "megatron_lm_checkout_version",
+    "prepare_import_path", "stage_local_logical_and", "stage_local_max_stat",
+    "take_optimizer_choice",
 ]

@@ -58,6 +58,7 @@ _NEEDED: Dict[str, Tuple[List[str], List[str]]] = {
     "megatron.training.training.train": ([], []),
     "megatron.training.training.save_checkpoint": ([], []),
     "megatron.training.training.get_model": ([], []),
+    "megatron.training.training.get_megatron_optimizer": (["config", "model_chunks"], []),
     "megatron.training.training.logical_and_across_model_parallel_group": (["input"], []),
     "megatron.training.training.reduce_max_stat_across_model_parallel_group": (["stat"], []),
     "megatron.training.training.get_forward_backward_func": (["pp_size", "vp_size"], []),
