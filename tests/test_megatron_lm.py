@@ -459,9 +459,9 @@ def test_nadam_trains_and_resumes_through_the_drop_in(checkout, stock_run, tmp_p
     """--optimizer nadam in Megatron-LM's run: under stock 1F1B the first iteration's loss is
     Adam's (same weights, same batch) and the next ones are not (NAdam stepped, as its
     start-up line, printed once NAdam is in place, says); under PACI it trains, and a run
-    resumed from its iteration-2 checkpoint goes on at iteration 3. (Whether that resume
-    equals the uninterrupted run is not asserted: it did not, at iteration 3, on core_v0.16.1;
-    not yet known whether Adam's does there.)"""
+    resumed from its iteration-2 checkpoint goes on at iteration 3. (That resume does not
+    equal the uninterrupted run at iteration 3 on core_v0.16.1, with Adam as with NAdam: not
+    asserted, open.)"""
     nadam = ["--optimizer", "nadam"]
     for sub in ("stock", "half", "straight"):
         (tmp_path / sub).mkdir()
