@@ -41,7 +41,7 @@ from .config import (Layout, PaciConfig, add_paci_arguments, rampup_micro_batche
                      refuse_paci_flags, resolve)
 from .features.weight_prediction import cost_lines, default_off_line
 from .flag import ConfigError
-from .quiet import fallback_notice
+from .quiet import exit_after_local_rank0, fallback_notice
 from .restart import restart_count
 
 NADAM = "nadam"
@@ -275,7 +275,7 @@ def install(argv: Sequence[str], script: str) -> dict:
     megatron_lm.prepare_import_path(os.path.dirname(script))
     versions = megatron_lm.check_megatron_lm()
     cpu = megatron_lm.apply_megatron_lm_cpu_patches()
-    megatron_lm.install_arguments(add_arguments, validate=check_and_adapt)
+    megatron_lm.install_arguments(add_arguments, exit_after_local_rank0, validate=check_and_adapt)
     installed = {"schedule": ours.pipeline_schedule, "cpu_patches": cpu, "hooks": [], **versions}
     if requested_optimizer(argv) == NADAM:
         installed["hooks"] += megatron_lm.install_inner_optimizer(use_nadam)

@@ -1,6 +1,7 @@
 """Noise per rank: the fallback-warning filter is precise, and a bad flag under torchrun prints
 one error line, once, without the usage text."""
 
+import argparse
 import subprocess
 import sys
 
@@ -41,18 +42,18 @@ def test_a_silent_rank_waits_for_local_rank_0_to_print(where, monkeypatch, capsy
     or local rank 0 may be stopped before it printed (a bad --pipeline-schedule once exited 2
     with no message at all). Local rank 0 prints and exits at once."""
     from paci_megatron import arguments, quiet
+    from paci_megatron import run as paci_run
     from paci_megatron.patches.megatron_lm import parser as mlm_parser
 
-    module = quiet if where == "paci" else mlm_parser
     slept = []
-    monkeypatch.setattr(module.time, "sleep", slept.append)
+    monkeypatch.setattr(quiet.time, "sleep", slept.append)
     if where == "paci":
         parser = arguments.build_parser()
-    else:
-        parser = __import__("argparse").ArgumentParser(prog="pretrain_gpt.py")
+    else:  # the drop-in's parser, with the exit paci_megatron.run gives it
+        parser = argparse.ArgumentParser(prog="pretrain_gpt.py")
         parser.add_argument("--num-layers", type=int)
-        mlm_parser._one_line_errors(parser)
-    for local_rank, waits in (("1", [module.REPORTER_WAIT_S]), ("0", [])):
+        mlm_parser._one_line_errors(parser, paci_run.exit_after_local_rank0)
+    for local_rank, waits in (("1", [quiet.REPORTER_WAIT_S]), ("0", [])):
         monkeypatch.setenv("LOCAL_RANK", local_rank)
         slept.clear()
         with pytest.raises(SystemExit) as exit_:
@@ -61,4 +62,4 @@ def test_a_silent_rank_waits_for_local_rank_0_to_print(where, monkeypatch, capsy
         err = capsys.readouterr().err
         assert (": error: argument --num-layers: " in err and "'abc'" in err) \
             == (local_rank == "0"), err
-    assert module.REPORTER_WAIT_S >= 10  # longer than local rank 0's start-up lag under load
+    assert quiet.REPORTER_WAIT_S >= 10  # longer than local rank 0's start-up lag under load

@@ -6,42 +6,36 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
-from typing import Callable, NoReturn, Optional
+from typing import Callable, Optional
 
 from .version import _replace, _resolve
 
-
-# How long a rank that leaves a start-up error to another waits before it exits: torchrun stops
-# every rank once one exits, and a silent rank exiting first could stop the reporting rank
-# before it printed. The reporting rank exits once it has printed, so the wait costs nothing.
-REPORTER_WAIT_S = 30.0
+# exit_silently(code): how a rank that leaves a start-up error to the reporting rank exits (the
+# caller's; it must not exit before the reporting rank printed, as torchrun then stops that one)
+ExitSilently = Callable[[int], None]
 
 
-def _exit_after_reporter(code: int = 2) -> NoReturn:
-    time.sleep(REPORTER_WAIT_S)
-    sys.exit(code)
-
-
-def _one_line_errors(parser: argparse.ArgumentParser) -> None:
+def _one_line_errors(parser: argparse.ArgumentParser, exit_silently: ExitSilently) -> None:
     """Every rank parses the same flags: a usage error is printed once per node (local rank
     0) as one line, not Megatron-LM's whole usage text once per rank."""
     def error(message: str):
         if os.environ.get("LOCAL_RANK", "0") == "0":
             parser.exit(2, f"{parser.prog}: error: {message}\n")
-        _exit_after_reporter(2)
+        exit_silently(2)
 
     parser.error = error
 
 
 def install_arguments(add_arguments: Callable[[argparse.ArgumentParser], argparse.ArgumentParser],
+                      exit_silently: ExitSilently,
                       validate: Optional[Callable[[argparse.Namespace], None]] = None) -> None:
     """Add PACI's flags to Megatron-LM's ``parse_args`` wherever it is called from.
 
     ``parse_args(extra_args_provider, ignore_unknown_args)`` builds its parser, then calls the
     script's ``extra_args_provider(parser)``: the replacement passes a provider that runs the
     script's one (if any) and then ``add_arguments``. ``validate(args)`` (optional) checks the
-    parsed PACI flags and raises ``ValueError``, reported as a usage error.
+    parsed PACI flags and raises ``ValueError``, reported as a usage error by one rank; the
+    others leave by ``exit_silently(2)``.
     """
     from megatron.training import arguments as mlm_arguments
     from megatron.training import initialize as mlm_initialize
@@ -52,7 +46,7 @@ def install_arguments(add_arguments: Callable[[argparse.ArgumentParser], argpars
         def provider(parser):
             if extra_args_provider is not None:
                 parser = extra_args_provider(parser)
-            _one_line_errors(parser)
+            _one_line_errors(parser, exit_silently)
             return add_arguments(parser)
 
         args = original(provider, ignore_unknown_args)
@@ -61,7 +55,7 @@ def install_arguments(add_arguments: Callable[[argparse.ArgumentParser], argpars
                 validate(args)
             except ValueError as exc:
                 if args.rank != 0:
-                    _exit_after_reporter(2)
+                    exit_silently(2)
                 print(f"{os.path.basename(sys.argv[0])}: error: {exc}", file=sys.stderr,
                       flush=True)
                 sys.exit(2)
