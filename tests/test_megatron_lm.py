@@ -309,6 +309,18 @@ def iterations(out):
             for m in ITERATION.finditer(out)]
 
 
+def assert_resumes_exactly(resumed, uninterrupted):
+    """The logged iterations of a resumed run against the same iterations of the run that
+    was not interrupted: equal learning rates and grad norms, and an equal loss at the first.
+    Megatron-LM does not reset its loss sums after a run's first logged iteration, so the
+    next loss it logs is the mean of both: compared as such, to the printed precision."""
+    assert [(r["lr"], r["grad_norm"]) for r in resumed] == \
+        [(r["lr"], r["grad_norm"]) for r in uninterrupted]
+    assert resumed[0]["loss"] == uninterrupted[0]["loss"]
+    first, second = (float(r["loss"]) for r in uninterrupted[:2])
+    assert float(resumed[1]["loss"]) == pytest.approx((first + second) / 2, rel=2e-6)
+
+
 def drift(out):
     return {int(m.group(1)): dict(max=int(m.group(2)), bound=int(m.group(3)),
                                   steps=int(m.group(4))) for m in DRIFT.finditer(out)}
@@ -459,9 +471,8 @@ def test_nadam_trains_and_resumes_through_the_drop_in(checkout, stock_run, tmp_p
     """--optimizer nadam in Megatron-LM's run: under stock 1F1B the first iteration's loss is
     Adam's (same weights, same batch) and the next ones are not (NAdam stepped, as its
     start-up line, printed once NAdam is in place, says); under PACI it trains, and a run
-    resumed from its iteration-2 checkpoint goes on at iteration 3. (That resume does not
-    equal the uninterrupted run at iteration 3 on core_v0.16.1, with Adam as with NAdam: not
-    asserted, open.)"""
+    resumed from its iteration-2 checkpoint goes on exactly as the uninterrupted run (which
+    drains at the same save), dropout included (the CPU patch ``data_loader_seed``)."""
     nadam = ["--optimizer", "nadam"]
     for sub in ("stock", "half", "straight"):
         (tmp_path / sub).mkdir()
@@ -484,6 +495,7 @@ def test_nadam_trains_and_resumes_through_the_drop_in(checkout, stock_run, tmp_p
     assert whole[0]["loss"] == rows[0]["loss"]
     assert [r["iteration"] for r in iterations(resumed)] == ["3", "4"], resumed[-3000:]
     assert iterations(half) == whole[:2]
+    assert_resumes_exactly(iterations(resumed), whole[2:])
     assert drift(straight) == {0: dict(max=1, bound=1, steps=4), 1: dict(max=0, bound=0, steps=4)}
 
 

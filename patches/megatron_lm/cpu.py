@@ -242,6 +242,27 @@ def cpu_jit_warmup() -> bool:
     return _replace(mlm_initialize, "_warmup_jit_function", _warmup_jit_function)
 
 
+def cpu_data_loader_seed() -> bool:
+    """training.py ``build_pretraining_data_loader``: each ``iter(DataLoader)`` draws its worker
+    base seed from ``loader.generator``, by default torch's global generator. On a GPU the
+    model's dropout draws from the CUDA generator; on CPU from that same global generator,
+    which a ``--load`` restores before the iterators are made: a resumed run would then drop
+    out differently from the uninterrupted one. On CPU each loader gets a generator of its
+    own, seeded from the global generator's initial seed (Megatron's ``--seed``)."""
+    from megatron.training import training as mlm_training
+
+    original = _resolve("megatron.training.training.build_pretraining_data_loader")[2]
+
+    @functools.wraps(original)
+    def build_pretraining_data_loader(*args, **kwargs):
+        loader = original(*args, **kwargs)
+        if isinstance(loader, torch.utils.data.DataLoader) and loader.generator is None:
+            loader.generator = torch.Generator().manual_seed(torch.initial_seed())
+        return loader
+
+    return _replace(mlm_training, "build_pretraining_data_loader", build_pretraining_data_loader)
+
+
 MEGATRON_LM_CPU_PATCHES: Dict[str, Callable[[], bool]] = {
     "allow_no_cuda": cpu_allow_no_cuda,
     "initialize_device": cpu_initialize_device,
@@ -256,6 +277,7 @@ MEGATRON_LM_CPU_PATCHES: Dict[str, Callable[[], bool]] = {
     "rerun_state_machine": cpu_rerun_state_machine,
     "evaluate": cpu_evaluate,
     "checkpointing": cpu_checkpointing,
+    "data_loader_seed": cpu_data_loader_seed,
 }
 
 _CPU_APPLIED: List[str] = []

@@ -64,6 +64,7 @@ _NEEDED: Dict[str, Tuple[List[str], List[str]]] = {
     "megatron.training.training.get_forward_backward_func": (["pp_size", "vp_size"], []),
     "megatron.training.training.evaluate_and_print_results": ([], []),
     "megatron.training.training.evaluate": ([], []),
+    "megatron.training.training.build_pretraining_data_loader": ([], []),
     "megatron.training.initialize._warmup_jit_function": ([], []),
 }
 # present in some supported releases only (the patch is skipped where they are absent)
