@@ -6,7 +6,8 @@
 #   bash benchmarks/clock_study.sh PHASE [OUT]   (default OUT=benchmarks/results/clock)
 #
 # PHASE, in order (each a compare run with --reuse: an interrupted phase resumes, a finished
-# one costs nothing; about 10-16 minutes a P=4 run on 2 idle cores):
+# one costs nothing; a P=4 run took 10-16 minutes on 2 idle cores when study 12 ran, 37-55
+# minutes on the machines of 2026-12-02/03):
 #   select   seed 1234, P=4: the look-ahead at C = 0.5, 1 and 2 (1F1B's and plain PACI's finals on
 #            this seed are study 12's; the rule compares the look-ahead's three runs only)
 #   p4       seeds 3001 and 3002, P=4: 1F1B, interleaved, the look-ahead at the selected C
