@@ -248,7 +248,8 @@ def cpu_data_loader_seed() -> bool:
     model's dropout draws from the CUDA generator; on CPU from that same global generator,
     which a ``--load`` restores before the iterators are made: a resumed run would then drop
     out differently from the uninterrupted one. On CPU each loader gets a generator of its
-    own, seeded from the global generator's initial seed (Megatron's ``--seed``)."""
+    own, seeded with the global generator's initial seed (the one Megatron-LM gave the rank,
+    from ``--seed``)."""
     from megatron.training import training as mlm_training
 
     original = _resolve("megatron.training.training.build_pretraining_data_loader")[2]
