@@ -17,7 +17,6 @@ exceed stock's.
 import json
 import os
 import sys
-import traceback
 import warnings
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -14,7 +14,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Deque, Dict, List, Optional, Tuple
 
-from .schedule import (COMPUTE_OPS, P2P_OPS, RECV_OPS, SEND_OPS, TIED_OPS, Action, Op, Schedule,
+from .schedule import (COMPUTE_OPS, RECV_OPS, SEND_OPS, TIED_OPS, Action, Op, Schedule,
                        channel, install_step)
 from .shape import closes_group, drift_bound
 

@@ -22,7 +22,6 @@ from paci_megatron.adapt import Adaptive, candidates
 from paci_megatron.features import (Lookahead, StaleGradCorrection, StaleGradWeights,
                                     StageFeature, WeightPrediction)
 from paci_megatron.mcore import build
-from paci_megatron.mcore.handlers import MegatronHandlers
 from paci_megatron.mcore.reference import PipelineEmulator, StageParts, weights_sha256
 from paci_megatron.tools.backward_audit import audit_backward
 from paci_megatron.mcore.runtime import PaciRuntime
