@@ -452,18 +452,25 @@ def test_the_listed_default_differences_with_megatron_lm_are_all_there_are(check
 def test_warm_start_drain_before_eval_and_resume_through_the_drop_in(checkout, tmp_path):
     """Flags that came to the drop-in with the one flag table: the stock-1F1B warm start
     (--paci-sync-iters), --paci-drain-before-eval, and a --load that continues the local-step
-    count. a = 2 of 4: iteration 1 takes 1 step (stock), every later one 2."""
+    count. a = 2 of 4: iteration 1 takes 1 step (stock), every later one 2. The resumed run
+    goes on exactly as the one that was not interrupted."""
     flags = ["--pipeline-schedule", "paci", "--paci-accumulation-factor", "2",
-             "--paci-sync-iters", "1", "--paci-drain-before-eval", "--save", str(tmp_path / "c"),
-             "--save-interval", "2"]
-    first = _ok(checkout, flags + ["--exit-interval", "2"], tmp_path)
+             "--paci-sync-iters", "1", "--paci-drain-before-eval", "--save-interval", "2"]
+    for sub in ("half", "straight"):
+        (tmp_path / sub).mkdir()
+    half = ["--save", str(tmp_path / "c")]
+    first = _ok(checkout, flags + half + ["--exit-interval", "2"], tmp_path / "half")
     assert "stock 1F1B for the first 1 iterations" in first
     assert "drained the pipeline before evaluation" in first
     assert drift(first)[0]["steps"] == 1 + 2
-    second = _ok(checkout, flags + ["--load", str(tmp_path / "c")], tmp_path)
+    second = _ok(checkout, flags + half + ["--load", str(tmp_path / "c")], tmp_path / "half")
     assert [r["iteration"] for r in iterations(second)] == ["3", "4"], second[-3000:]
     assert drift(second) == {0: dict(max=1, bound=1, steps=1 + 3 * 2),
                              1: dict(max=0, bound=0, steps=1 + 3 * 2)}
+    straight = _ok(checkout, flags + ["--save", str(tmp_path / "s")], tmp_path / "straight")
+    whole = iterations(straight)
+    assert iterations(first) == whole[:2]
+    assert_resumes_exactly(iterations(second), whole[2:])
 
 
 @pytest.mark.dist
