@@ -321,6 +321,23 @@ def assert_resumes_exactly(resumed, uninterrupted):
     assert float(resumed[1]["loss"]) == pytest.approx((first + second) / 2, rel=2e-6)
 
 
+def resume_against_straight(checkout, flags, tmp_path):
+    """``flags`` (with --save-interval 2) run twice: interrupted at iteration 2 and resumed
+    with --load, and straight through. Asserts the resumed run goes on exactly as the straight
+    one; returns the outputs (interrupted, resumed, straight)."""
+    for sub in ("half", "straight"):
+        (tmp_path / sub).mkdir()
+    save = ["--save", str(tmp_path / "c")]
+    half = _ok(checkout, [*flags, *save, "--exit-interval", "2"], tmp_path / "half")
+    resumed = _ok(checkout, [*flags, *save, "--load", str(tmp_path / "c")], tmp_path / "half")
+    straight = _ok(checkout, [*flags, "--save", str(tmp_path / "s")], tmp_path / "straight")
+    whole = iterations(straight)
+    assert [r["iteration"] for r in iterations(resumed)] == ["3", "4"], resumed[-3000:]
+    assert iterations(half) == whole[:2]
+    assert_resumes_exactly(iterations(resumed), whole[2:])
+    return half, resumed, straight
+
+
 def drift(out):
     return {int(m.group(1)): dict(max=int(m.group(2)), bound=int(m.group(3)),
                                   steps=int(m.group(4))) for m in DRIFT.finditer(out)}
@@ -456,21 +473,12 @@ def test_warm_start_drain_before_eval_and_resume_through_the_drop_in(checkout, t
     goes on exactly as the one that was not interrupted."""
     flags = ["--pipeline-schedule", "paci", "--paci-accumulation-factor", "2",
              "--paci-sync-iters", "1", "--paci-drain-before-eval", "--save-interval", "2"]
-    for sub in ("half", "straight"):
-        (tmp_path / sub).mkdir()
-    half = ["--save", str(tmp_path / "c")]
-    first = _ok(checkout, flags + half + ["--exit-interval", "2"], tmp_path / "half")
+    first, second, _ = resume_against_straight(checkout, flags, tmp_path)
     assert "stock 1F1B for the first 1 iterations" in first
     assert "drained the pipeline before evaluation" in first
     assert drift(first)[0]["steps"] == 1 + 2
-    second = _ok(checkout, flags + half + ["--load", str(tmp_path / "c")], tmp_path / "half")
-    assert [r["iteration"] for r in iterations(second)] == ["3", "4"], second[-3000:]
     assert drift(second) == {0: dict(max=1, bound=1, steps=1 + 3 * 2),
                              1: dict(max=0, bound=0, steps=1 + 3 * 2)}
-    straight = _ok(checkout, flags + ["--save", str(tmp_path / "s")], tmp_path / "straight")
-    whole = iterations(straight)
-    assert iterations(first) == whole[:2]
-    assert_resumes_exactly(iterations(second), whole[2:])
 
 
 @pytest.mark.dist
@@ -481,28 +489,19 @@ def test_nadam_trains_and_resumes_through_the_drop_in(checkout, stock_run, tmp_p
     resumed from its iteration-2 checkpoint goes on exactly as the uninterrupted run (which
     drains at the same save), dropout included (the CPU patch ``data_loader_seed``)."""
     nadam = ["--optimizer", "nadam"]
-    for sub in ("stock", "half", "straight"):
-        (tmp_path / sub).mkdir()
+    (tmp_path / "stock").mkdir()
     stock = _ok(checkout, ["--pipeline-schedule", "1f1b", *nadam], tmp_path / "stock")
     rows, adam = iterations(stock), iterations(stock_run)
     assert [r["iteration"] for r in rows] == ["1", "2", "3", "4"], stock[-3000:]
     assert rows[0]["loss"] == adam[0]["loss"] and rows[1]["loss"] != adam[1]["loss"]
     assert [r["lr"] for r in rows] == [r["lr"] for r in adam]
     paci = ["--pipeline-schedule", "paci", *nadam, "--save-interval", "2"]
-    half = _ok(checkout, [*paci, "--save", str(tmp_path / "c"), "--exit-interval", "2"],
-               tmp_path / "half")
-    resumed = _ok(checkout, [*paci, "--save", str(tmp_path / "c"), "--load",
-                             str(tmp_path / "c")], tmp_path / "half")
-    straight = _ok(checkout, [*paci, "--save", str(tmp_path / "s")], tmp_path / "straight")
+    half, resumed, straight = resume_against_straight(checkout, paci, tmp_path)
     for out in (stock, half, resumed, straight):
         assert "hooks: get_megatron_optimizer" in out
         assert out.count("> paci_megatron.run: optimizer nadam (torch's NAdam in Megatron-Core's "
                          "Adam wrappers, momentum decay 0.004): betas (0.9, 0.999)") == 1, out
-    whole = iterations(straight)
-    assert whole[0]["loss"] == rows[0]["loss"]
-    assert [r["iteration"] for r in iterations(resumed)] == ["3", "4"], resumed[-3000:]
-    assert iterations(half) == whole[:2]
-    assert_resumes_exactly(iterations(resumed), whole[2:])
+    assert iterations(straight)[0]["loss"] == rows[0]["loss"]
     assert drift(straight) == {0: dict(max=1, bound=1, steps=4), 1: dict(max=0, bound=0, steps=4)}
 
 
