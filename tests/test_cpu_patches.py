@@ -241,3 +241,65 @@ def test_dropout_reproducible_and_recompute_replays_rng(two_procs):
     assert a == b and ga == gb, r  # same seed, same dropout masks
     assert recompute == a and grc == ga, r  # recompute replays the forward's RNG states
     assert a != off, r  # dropout is active
+
+
+_GEMM_CHECK = r"""
+import sys
+sys.path.insert(0, %(repo)r)
+import torch
+from torch.overrides import TorchFunctionMode
+import patches
+from patches import cpu_gloo
+cpu_gloo.native_low_precision_gemm = lambda dtype: %(native)s  # as on a CPU with(out) it
+patches.apply_cpu_patches()
+from megatron.core.tensor_parallel.layers import (
+    linear_with_grad_accumulation_and_async_allreduce as linear)
+
+class Matmuls(TorchFunctionMode):  # below the patch's mode: sees the GEMMs it runs
+    seen = []
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.matmul, torch.Tensor.matmul):
+            self.seen.append(args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+from megatron.core.tensor_parallel import layers
+fn = layers.LinearWithGradAccumulationAndAsyncCommunication
+patched = fn.__dict__["backward"].__func__
+def recorded(ctx, grad):  # autograd runs backward outside the caller's modes: record there too
+    with Matmuls():
+        return patched(ctx, grad)
+fn.backward = staticmethod(recorded)
+
+torch.manual_seed(0)
+x = torch.randn(6, 2, 64).bfloat16().requires_grad_()
+w = torch.randn(96, 64).bfloat16().requires_grad_()
+g = torch.randn(6, 2, 96).bfloat16()
+with Matmuls():
+    y = linear(x, w, None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
+               sequence_parallel=False)
+    y.backward(g)
+f = lambda t: t.detach().float()
+exact = {  # fp32 GEMMs rounded once to bf16, by hand
+    "y": (f(x) @ f(w).t()).bfloat16(), "dx": (f(g) @ f(w)).bfloat16(),
+    "dw": (f(g).reshape(-1, 96).t() @ f(x).reshape(-1, 64)).bfloat16()}
+got = {"y": y, "dx": x.grad, "dw": w.grad}
+print("DTYPES", sorted(set(str(d) for d in Matmuls.seen)), len(Matmuls.seen))
+print("EXACT", all(torch.equal(got[k].detach(), exact[k]) for k in exact))
+"""
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_low_precision_gemm_runs_in_fp32_only_without_a_native_kernel(native):
+    """Without native bf16 GEMM (AVX2 CPUs, where oneDNN's bf16 path is 5-40x slower than
+    fp32) each of the linear layer's three GEMMs runs in fp32, rounded once to bf16: exactly
+    the hand computation. With it, the patch leaves the bf16 GEMMs alone."""
+    if cpu_gloo.torch.cuda.is_available():
+        pytest.skip("apply_cpu_patches is a no-op with CUDA")
+    out = subprocess.run([sys.executable, "-c", _GEMM_CHECK % {"repo": REPO, "native": native}],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr[-4000:]
+    if native:
+        assert "DTYPES ['torch.bfloat16'] 3" in out.stdout, out.stdout
+    else:
+        assert "DTYPES ['torch.float32'] 3" in out.stdout, out.stdout
+        assert "EXACT True" in out.stdout, out.stdout
