@@ -258,8 +258,8 @@ from megatron.core.tensor_parallel.layers import (
 class Matmuls(TorchFunctionMode):  # below the patch's mode: sees the GEMMs it runs
     seen = []
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in (torch.matmul, torch.Tensor.matmul):
-            self.seen.append(args[0].dtype)
+        if func in (torch.matmul, torch.Tensor.matmul, torch.bmm, torch.baddbmm):
+            self.seen.append(args[0 if func is not torch.baddbmm else 1].dtype)
         return func(*args, **(kwargs or {}))
 
 from megatron.core.tensor_parallel import layers
@@ -285,21 +285,41 @@ exact = {  # fp32 GEMMs rounded once to bf16, by hand
 got = {"y": y, "dx": x.grad, "dw": w.grad}
 print("DTYPES", sorted(set(str(d) for d in Matmuls.seen)), len(Matmuls.seen))
 print("EXACT", all(torch.equal(got[k].detach(), exact[k]) for k in exact))
+
+# core attention's scores (beta = 0, alpha the softmax scale) and context, and their grads
+from megatron.core.transformer import dot_product_attention as dpa
+q, k, v = (torch.randn(4, 8, 16).bfloat16().requires_grad_() for _ in range(3))
+Matmuls.seen.clear()
+with Matmuls():
+    s = dpa.torch.baddbmm(torch.full((4, 8, 8), float("nan")).bfloat16(), q, k.transpose(1, 2),
+                          beta=0.0, alpha=0.25)
+    c = dpa.torch.bmm(s, v)
+gc = torch.randn(4, 8, 16).bfloat16()
+c.backward(gc)
+gs = (f(gc) @ f(v).transpose(1, 2)).bfloat16()
+exact = {"s": (f(q) @ f(k).transpose(1, 2) * 0.25).bfloat16(), "c": (f(s) @ f(v)).bfloat16(),
+         "dv": (f(s).transpose(1, 2) @ f(gc)).bfloat16(),
+         "dq": (f(gs) * 0.25 @ f(k)).bfloat16()}
+got = {"s": s, "c": c, "dv": v.grad, "dq": q.grad}
+print("ATTENTION", sorted(set(str(d) for d in Matmuls.seen)), len(Matmuls.seen))
+print("ATTENTION EXACT", all(torch.equal(got[k].detach(), exact[k]) for k in exact))
 """
 
 
 @pytest.mark.parametrize("native", [False, True])
 def test_low_precision_gemm_runs_in_fp32_only_without_a_native_kernel(native):
     """Without native bf16 GEMM (AVX2 CPUs, where oneDNN's bf16 path is 5-40x slower than
-    fp32) each of the linear layer's three GEMMs runs in fp32, rounded once to bf16: exactly
-    the hand computation. With it, the patch leaves the bf16 GEMMs alone."""
+    fp32) the linear layer's three GEMMs and core attention's batched ones (and their
+    gradients) run in fp32, rounded once to bf16: exactly the hand computation. With it, the
+    patch leaves the bf16 GEMMs alone."""
     if cpu_gloo.torch.cuda.is_available():
         pytest.skip("apply_cpu_patches is a no-op with CUDA")
     out = subprocess.run([sys.executable, "-c", _GEMM_CHECK % {"repo": REPO, "native": native}],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr[-4000:]
-    if native:
-        assert "DTYPES ['torch.bfloat16'] 3" in out.stdout, out.stdout
-    else:
-        assert "DTYPES ['torch.float32'] 3" in out.stdout, out.stdout
-        assert "EXACT True" in out.stdout, out.stdout
+    dtype = "bfloat16" if native else "float32"
+    assert f"DTYPES ['torch.{dtype}'] 3" in out.stdout, out.stdout
+    assert f"ATTENTION ['torch.{dtype}'] 2" in out.stdout, out.stdout
+    if not native:
+        assert "\nEXACT True" in out.stdout and "ATTENTION EXACT True" in out.stdout, \
+            out.stdout
