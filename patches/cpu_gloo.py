@@ -482,8 +482,11 @@ def native_low_precision_gemm(dtype: torch.dtype) -> bool:
     return torch.ops.mkldnn._is_mkldnn_fp16_supported()
 
 
+_UPCAST: set = set()  # the low-precision dtypes this CPU has no native GEMM for
+
+
 def _low_precision_cpu(a, b) -> bool:
-    return a.dtype == b.dtype and a.dtype in _LOW_PRECISION and a.device.type == "cpu"
+    return a.dtype == b.dtype and a.dtype in _UPCAST and a.device.type == "cpu"
 
 
 class _Fp32GemmMode(TorchFunctionMode):
@@ -559,7 +562,8 @@ def patch_low_precision_gemm():
     through one autograd function, and core attention's through two calls: there they run in
     fp32, rounded once to bf16/fp16, as a GPU's bf16 GEMM accumulates. A speed fix that
     changes the summation order only; nothing changes on a CPU with the native GEMM."""
-    if all(native_low_precision_gemm(dtype) for dtype in _LOW_PRECISION):
+    _UPCAST.update(d for d in _LOW_PRECISION if not native_low_precision_gemm(d))
+    if not _UPCAST:
         return False
     from megatron.core.tensor_parallel import layers
 

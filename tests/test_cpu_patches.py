@@ -303,23 +303,30 @@ exact = {"s": (f(q) @ f(k).transpose(1, 2) * 0.25).bfloat16(), "c": (f(s) @ f(v)
 got = {"s": s, "c": c, "dv": v.grad, "dq": q.grad}
 print("ATTENTION", sorted(set(str(d) for d in Matmuls.seen)), len(Matmuls.seen))
 print("ATTENTION EXACT", all(torch.equal(got[k].detach(), exact[k]) for k in exact))
+Matmuls.seen.clear()
+h = torch.randn(2, 4, 4).half()
+with Matmuls():
+    dpa.torch.bmm(h, h)
+print("FP16", [str(d) for d in Matmuls.seen])
 """
 
 
-@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("native", ["False", "True", "dtype == torch.bfloat16"])
 def test_low_precision_gemm_runs_in_fp32_only_without_a_native_kernel(native):
     """Without native bf16 GEMM (AVX2 CPUs, where oneDNN's bf16 path is 5-40x slower than
     fp32) the linear layer's three GEMMs and core attention's batched ones (and their
-    gradients) run in fp32, rounded once to bf16: exactly the hand computation. With it, the
-    patch leaves the bf16 GEMMs alone."""
+    gradients) run in fp32, rounded once to bf16: exactly the hand computation. With it (or
+    with one for bf16 alone, the patch then on for fp16), the bf16 GEMMs are left alone."""
     if cpu_gloo.torch.cuda.is_available():
         pytest.skip("apply_cpu_patches is a no-op with CUDA")
     out = subprocess.run([sys.executable, "-c", _GEMM_CHECK % {"repo": REPO, "native": native}],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr[-4000:]
-    dtype = "bfloat16" if native else "float32"
+    dtype = "float32" if native == "False" else "bfloat16"
     assert f"DTYPES ['torch.{dtype}'] 3" in out.stdout, out.stdout
     assert f"ATTENTION ['torch.{dtype}'] 2" in out.stdout, out.stdout
-    if not native:
+    fp16 = "float16" if native == "True" else "float32"
+    assert f"FP16 ['torch.{fp16}']" in out.stdout, out.stdout
+    if native == "False":
         assert "\nEXACT True" in out.stdout and "ATTENTION EXACT True" in out.stdout, \
             out.stdout
