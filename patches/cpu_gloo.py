@@ -222,18 +222,24 @@ class _CudaAsCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _run_as_cpu(fn: Callable) -> Callable:
-    """Wrap ``fn`` so that it runs under :class:`_CudaAsCpuMode`."""
-    if getattr(fn, "_paci_cpu_wrapped", False):
+def _run_under(mode: type, marker: str, fn: Callable) -> Callable:
+    """Wrap ``fn`` so that it runs under the TorchFunctionMode ``mode``; ``marker``, set on the
+    wrapper, keeps a second patch from wrapping it twice."""
+    if getattr(fn, marker, False):
         return fn
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        with _CudaAsCpuMode():
+        with mode():
             return fn(*args, **kwargs)
 
-    wrapper._paci_cpu_wrapped = True
+    setattr(wrapper, marker, True)
     return wrapper
+
+
+def _run_as_cpu(fn: Callable) -> Callable:
+    """Wrap ``fn`` so that it runs under :class:`_CudaAsCpuMode`."""
+    return _run_under(_CudaAsCpuMode, "_paci_cpu_wrapped", fn)
 
 
 # --------------------------------------------------------------------------------------------
@@ -505,13 +511,7 @@ class _Fp32GemmMode(TorchFunctionMode):
 
 
 def _in_fp32_gemm_mode(fn: Callable) -> Callable:
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with _Fp32GemmMode():
-            return fn(*args, **kwargs)
-
-    wrapper._paci_fp32_gemm = True
-    return wrapper
+    return _run_under(_Fp32GemmMode, "_paci_fp32_gemm", fn)
 
 
 class _Fp32Bmm(torch.autograd.Function):
