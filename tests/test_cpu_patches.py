@@ -249,8 +249,8 @@ sys.path.insert(0, %(repo)r)
 import torch
 from torch.overrides import TorchFunctionMode
 import patches
-from patches import cpu_gloo
-cpu_gloo.native_low_precision_gemm = lambda dtype: %(native)s  # as on a CPU with(out) it
+from patches import low_precision_gemm
+low_precision_gemm.native_low_precision_gemm = lambda dtype: %(native)s  # as on a CPU with(out) it
 patches.apply_cpu_patches()
 from megatron.core.tensor_parallel.layers import (
     linear_with_grad_accumulation_and_async_allreduce as linear)
