@@ -72,8 +72,6 @@ class _Fp32BmmTorch(_CpuTorch):
     context) through :class:`_Fp32Bmm`, whose backward native autograd would otherwise run
     on the slow bf16 path."""
 
-    _paci_fp32_bmm = True
-
     @staticmethod
     def bmm(a, b, **kwargs):
         if kwargs or not _low_precision_cpu(a, b):
@@ -101,9 +99,10 @@ def patch_low_precision_gemm():
     from megatron.core.tensor_parallel import layers
 
     fn = layers.LinearWithGradAccumulationAndAsyncCommunication
-    if getattr(fn.__dict__["forward"], "_paci_fp32_gemm", False):
-        return False
+    changed = _redirect_torch("megatron.core.transformer.dot_product_attention", _Fp32BmmTorch)
     for name in ("forward", "backward"):
-        setattr(fn, name, staticmethod(_in_fp32_gemm_mode(fn.__dict__[name].__func__)))
-    _redirect_torch("megatron.core.transformer.dot_product_attention", _Fp32BmmTorch)
-    return True
+        impl = fn.__dict__[name].__func__  # the marker is on the function, not its staticmethod
+        if not getattr(impl, "_paci_fp32_gemm", False):
+            setattr(fn, name, staticmethod(_in_fp32_gemm_mode(impl)))
+            changed = True
+    return changed

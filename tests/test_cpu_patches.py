@@ -252,6 +252,7 @@ import patches
 from patches import low_precision_gemm
 low_precision_gemm.native_low_precision_gemm = lambda dtype: %(native)s  # as on a CPU with(out) it
 patches.apply_cpu_patches()
+print("AGAIN", low_precision_gemm.patch_low_precision_gemm())  # nothing left to change
 from megatron.core.tensor_parallel.layers import (
     linear_with_grad_accumulation_and_async_allreduce as linear)
 
@@ -327,6 +328,7 @@ def test_low_precision_gemm_runs_in_fp32_only_without_a_native_kernel(native):
     assert f"ATTENTION ['torch.{dtype}'] 2" in out.stdout, out.stdout
     fp16 = "float16" if native == "True" else "float32"
     assert f"FP16 ['torch.{fp16}']" in out.stdout, out.stdout
+    assert "AGAIN False" in out.stdout.splitlines(), out.stdout
     if native == "False":
         assert "\nEXACT True" in out.stdout and "ATTENTION EXACT True" in out.stdout, \
             out.stdout
