@@ -165,7 +165,40 @@ def test_reuse_reads_finished_runs_back_and_reruns_changed_ones(compared, tmp_pa
     stem = out / f"1f1b.seed{SEEDS[0]}"
     flags = json.loads((out / f"{stem.name}.flags.json").read_text())["flags"]
     metrics, record = f"{stem}.jsonl", f"{stem}.flags.json"
-    assert _finished_with(metrics, record, flags, 2)
-    assert not _finished_with(metrics, record, flags + ["--lr", "1e-3"], 2)
-    assert not _finished_with(metrics, record, flags, 4)
-    assert not _finished_with(metrics, str(tmp_path / "none.json"), flags, 2)
+    no_method = {"method": "", "by_default": False}
+    assert _finished_with(metrics, record, flags, 2, no_method)
+    assert not _finished_with(metrics, record, flags + ["--lr", "1e-3"], 2, no_method)
+    assert not _finished_with(metrics, record, flags, 4, no_method)
+    assert not _finished_with(metrics, str(tmp_path / "none.json"), flags, 2, no_method)
+    # nor one whose PACI method differs: fp32 leaves this one plain, by default
+    stem = out / f"{NAME}.seed{SEEDS[0]}"
+    kept = json.loads((out / f"{stem.name}.flags.json").read_text())
+    assert kept["method"] == "plain"
+    paci = (f"{stem}.jsonl", f"{stem}.flags.json", kept["flags"], 2)
+    assert _finished_with(*paci, {"method": "plain", "by_default": True})
+    assert not _finished_with(*paci, {"method": "prediction per-forward", "by_default": True})
+    # a record kept before compare kept the method: reused only where the flags name it
+    legacy = tmp_path / "legacy.flags.json"
+    legacy.write_text(json.dumps({"flags": kept["flags"], "nproc_per_node": 2}))
+    assert not _finished_with(paci[0], str(legacy), kept["flags"], 2,
+                              {"method": "plain", "by_default": True})
+    assert _finished_with(paci[0], str(legacy), kept["flags"], 2,
+                          {"method": "plain", "by_default": False})
+
+
+@pytest.mark.parametrize("extra,method,by_default", [
+    (["--bf16"], "prediction per-forward", True),  # today's default
+    ([], "plain", True),  # fp32: the prediction needs a main copy
+    (["--bf16", "--no-paci-weight-prediction"], "plain", False),
+    (["--bf16", "--paci-lookahead", "0.5"], "look-ahead C=0.5", False),
+    (["--bf16", "--paci-weight-prediction"], "prediction per-forward", False),
+    (["--bf16", "--paci-weight-prediction", "--paci-weight-prediction-schedule", "per-group"],
+     "prediction per-group", False),
+])
+def test_run_method_names_the_method_and_whether_the_default_chose_it(extra, method, by_default):
+    from paci_megatron.tools.compare import run_method
+
+    flags = ["--pipeline-schedule", "paci", "--untie-embeddings-and-output-weights", *extra]
+    assert run_method("r", flags, 2) == {"method": method, "by_default": by_default}
+    assert run_method("r", ["--pipeline-schedule", "1f1b", "--bf16"], 2) == {
+        "method": "", "by_default": False}

@@ -54,3 +54,24 @@ def test_stock_1f1b_checkpoint_continues_under_paci_as_the_warm_start_does(tmp_p
            "--pipeline-schedule paci (a=2)" in second["out"]
     assert _losses(first, second) == _losses(whole)
     assert second["summary"]["weights_sha256"] == whole["summary"]["weights_sha256"]
+
+
+def test_the_lookahead_stays_out_of_the_stock_warm_up_and_cool_down(tmp_path):
+    """bf16 with --paci-lookahead 2: stock 1F1B for 2 iterations, PACI for 3-6 and stock 1F1B
+    for 7-8 in one launch equals the three schedules run apart and chained by checkpoints
+    (the warm-up and the cool-down are stock 1F1B, the look-ahead's weights in neither;
+    PACI's part looks ahead from its first call, as a --load does). The run's end says what
+    the look-ahead's pass cost."""
+    ahead = ["--bf16", "--paci-lookahead", "2"]
+    whole = _train(tmp_path, "whole", PACI + ahead + ["--paci-sync-iters", "2",
+                                                      "--paci-cooldown-iters", "2"])
+    assert "look-ahead weights, C=2" in whole["out"]
+    assert "> PACI: the look-ahead's cost leaves a projected throughput of" in whole["out"]
+    warm, paci = str(tmp_path / "warm"), str(tmp_path / "paci")
+    first = _train(tmp_path, "stock", STOCK + ["--bf16", "--save", warm, "--exit-interval", "2"])
+    middle = _train(tmp_path, "paci", PACI + ahead + ["--load", warm, "--save", paci,
+                                                      "--exit-interval", "6"])
+    last = _train(tmp_path, "cool", STOCK + ["--bf16", "--load", paci])
+    assert sorted(_losses(first, middle, last)) == list(range(1, 9))
+    assert _losses(first, middle, last) == _losses(whole)
+    assert last["summary"]["weights_sha256"] == whole["summary"]["weights_sha256"]

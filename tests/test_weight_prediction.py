@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from paci_megatron.features import lookahead as la
 from paci_megatron.features import prediction_pass as pp
 from paci_megatron.features import weight_prediction as wp
 from paci_megatron.schedule import Op, plan_stream
@@ -508,6 +509,25 @@ def test_the_report_says_nothing_of_prediction_when_none_ran():
     assert wp.cost_lines([_row(0, 2, 16), _row(1, 2, 16)]) == []
 
 
+@pytest.mark.parametrize("pass_ms,with_it", [(0.0, 1.375), (8.0, 41.25 / 31), (90.0, 1.0)])
+def test_the_report_projects_what_the_lookahead_leaves_of_pacis_gain(pass_ms, with_it):
+    """P = 4, a = 8 (2 steps of 16 micro-batches), forward 10 ms, backward 20: a stage that
+    looks ahead spends 30 + 2/16 L ms a micro-batch (one pass of L ms a step) against 1F1B's
+    11/8 x 30 = 41.25; the last stage times its forwards but has nothing to look ahead to."""
+    rows = [{**_row(s, 2, 16), "forward_ms": 10.0} for s in range(4)]
+    for row in rows[:3]:
+        row["lookahead_ms"] = pass_ms
+    lines = la.cost_lines(rows)
+    assert len(lines) == 4
+    assert lines[0] == (f"> stage 0: look-ahead pass {pass_ms:.2f} ms a step against 10.00 ms "
+                        f"a forward ({pass_ms / 10:.2f} forwards a step)")
+    assert lines[-1].startswith(f"> PACI: the look-ahead's cost leaves a projected throughput "
+                                f"of {with_it:.2f}x 1F1B's (plain PACI 1.38x")
+    assert wp.projected_throughput(rows, la._pass_ms) == (pytest.approx(with_it, rel=1e-12),
+                                                          1.375)
+    assert la.cost_lines([_row(0, 2, 16), _row(1, 2, 16)]) == []
+
+
 def test_the_per_group_schedule_moves_once_and_puts_back_only_a_skipped_step(monkeypatch):
     """per-group: the group's first stale forward moves the weights, later forwards find them
     moved and nothing is restored after a forward; a step that updates has written them from
@@ -551,8 +571,10 @@ def test_the_lookahead_runs_c_times_the_mean_drift_ahead_on_the_moments(P, stage
     next step's bias corrections, c a fraction of a step where the drift is."""
     from paci_megatron.features.lookahead import Lookahead
 
-    ctx = SimpleNamespace(num_stages=P, stage=stage, accumulation=a)
+    ctx = SimpleNamespace(num_stages=P, stage=stage, accumulation=a, stale=True)
     assert Lookahead(strength).steps_ahead(ctx) == steps
+    # a stock plan (the warm-up, the cool-down) has no drift: nothing to look ahead to
+    assert Lookahead(strength).steps_ahead(SimpleNamespace(**{**vars(ctx), "stale": False})) == 0
     if not steps:
         return  # the last stage: nothing to look ahead for (the feature moves nothing)
     opt, params, offsets, flat = _flat_optimizer(

@@ -38,6 +38,7 @@ class StageContext:
     params: Tuple = ()
     features: List["StageFeature"] = field(default_factory=list)
     accumulation: int = 1  # the plan's a
+    stale: bool = True  # the plan is PACI's (not a stock warm-up or cool-down): drift exists
     per_token: bool = False  # --calculate-per-token-loss: gradients are token sums until R
     # what the action lists say: the stage's local steps between F mb and B mb
     planned_drift: Callable[[int], int] = lambda mb: 0

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Optional
+from typing import List, Optional
 
 from ..flag import ConfigError, Flag
 from .base import StageContext, StageFeature, optimizer_of
@@ -50,6 +50,30 @@ def check_strength(strength: float) -> None:
 def mean_drift(num_stages: int, stage: int, accumulation: int) -> float:
     """The stage's planned mean drift: (P-1-s)/a (never above the bound ceil of it)."""
     return (num_stages - 1 - stage) / accumulation
+
+
+def cost_lines(rows: List[dict], prefix: str = "> stage") -> List[str]:
+    """The end of a run, from every stage's summary: what the look-ahead's pass cost each
+    stage that looked ahead, a step, in forwards of that stage, and the throughput that leaves
+    PACI against 1F1B's (M = a; a backward costs 2 forwards). No lines when nothing was timed."""
+    from .weight_prediction import projected_throughput
+
+    timed = [r for r in rows if r.get("lookahead_ms") is not None and r.get("forward_ms")]
+    if not timed:
+        return []
+    lines = [f"{prefix} {r['stage']}: look-ahead pass {r['lookahead_ms']:.2f} ms a step against "
+             f"{r['forward_ms']:.2f} ms a forward ({r['lookahead_ms'] / r['forward_ms']:.2f} "
+             "forwards a step)" for r in timed]
+    with_it, plain = projected_throughput(rows, _pass_ms)
+    lines.append(f"> PACI: the look-ahead's cost leaves a projected throughput of {with_it:.2f}x "
+                 f"1F1B's (plain PACI {plain:.2f}x; backward = 2 forwards); `python -m "
+                 "paci_megatron.tools.compare --project-costs measured` projects it properly")
+    return lines
+
+
+def _pass_ms(row: dict) -> float:
+    """The look-ahead's cost per micro-batch of the stage: one pass a step."""
+    return (row.get("lookahead_ms") or 0.0) * row["steps"] / max(1, sum(row["histogram"].values()))
 
 
 class Lookahead(StageFeature):
@@ -133,6 +157,9 @@ class Lookahead(StageFeature):
                 self._look_ahead(ctx)
 
     def steps_ahead(self, ctx: StageContext) -> float:
+        """0 under a stock plan (--paci-sync-iters, --paci-cooldown-iters): no drift there."""
+        if not ctx.stale:
+            return 0.0
         return self.strength * mean_drift(ctx.num_stages, ctx.stage, ctx.accumulation)
 
     def _look_ahead(self, ctx: StageContext) -> None:

@@ -259,17 +259,23 @@ def cost_lines(rows: List[dict], prefix: str = "> stage") -> List[str]:
     return lines
 
 
-def projected_throughput(rows: List[dict]) -> Tuple[float, float]:
-    """(with prediction, plain PACI) throughput over 1F1B's, M = a: per micro-batch a stage
-    spends 3 forwards (f + b, b = 2f) plus its share of predicted forwards times their cost;
+def _prediction_ms(row: dict) -> float:
+    """The prediction's cost per micro-batch of the stage: its predicted forwards' share."""
+    moved = sum(row.get("predicted_forwards", {}).values())
+    return (row.get("predict_ms") or 0.0) * moved / max(1, sum(row["histogram"].values()))
+
+
+def projected_throughput(rows: List[dict], method_ms: Callable[[dict], float] = _prediction_ms
+                         ) -> Tuple[float, float]:
+    """(with the method, plain PACI) throughput over 1F1B's, M = a: per micro-batch a stage
+    spends 3 forwards (f + b, b = 2f) plus ``method_ms`` of it (the prediction's by default);
     the slowest stage sets PACI's pace, 1F1B's is (a + P - 1) / a of the slowest compute."""
     steps = max(r["steps"] for r in rows)
     backwards = max(sum(r["histogram"].values()) for r in rows)
     a = backwards / steps if steps else 1.0
     plain = (a + len(rows) - 1) / a
     work = [3.0 * r["forward_ms"] for r in rows if r.get("forward_ms")]
-    paced = [3.0 * r["forward_ms"] + r["predict_ms"] * sum(r["predicted_forwards"].values())
-             / max(1, sum(r["histogram"].values())) for r in rows if r.get("forward_ms")]
+    paced = [3.0 * r["forward_ms"] + method_ms(r) for r in rows if r.get("forward_ms")]
     return plain * max(work) / max(paced), plain
 
 

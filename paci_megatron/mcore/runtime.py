@@ -285,6 +285,7 @@ class PaciRuntime:
         ctx = self.ctx
         ctx.features = self.features
         ctx.accumulation = self.plan.accumulation
+        ctx.stale = self.plan.kind == "paci"
         ctx.per_token = self.meta is not None and self.meta.per_token
         ctx.planned_drift = self.planned_drift
         self._drift_plans = {}

@@ -117,6 +117,36 @@ def _flag(flags: Sequence[str], name: str, default: Optional[str] = None) -> Opt
 def run_shape(name: str, flags: Sequence[str], nproc: int) -> tta.RunShape:
     """Validate a run's flags as pretrain_gpt_paci.py would (before anything is launched) and
     return what the simulator needs of it."""
+    args, cfg = _validated(name, flags, nproc)
+    return tta.RunShape(
+        schedule=args.pipeline_schedule, num_stages=args.pipeline_model_parallel_size,
+        microbatches=args.num_microbatches, accumulation=cfg.accumulation,
+        sync_iters=cfg.sync_iters, cooldown_start=cfg.shape.cooldown_start,
+        virtual_chunks=args.virtual_pipeline_model_parallel_size or 1,
+        predicts=args.pipeline_schedule == "paci" and cfg.weight_prediction,
+        predicts_per_group=args.pipeline_schedule == "paci" and cfg.weight_prediction
+        and cfg.prediction_per_group,
+        looks_ahead=args.pipeline_schedule == "paci" and bool(cfg.lookahead))
+
+
+def run_method(name: str, flags: Sequence[str], nproc: int) -> Dict[str, object]:
+    """Which PACI method the flags run, as resolved today, and whether they left it to the
+    default: a finished run whose method was the default of another version is not reused."""
+    args, cfg = _validated(name, flags, nproc)
+    if args.pipeline_schedule != "paci":
+        return {"method": "", "by_default": False}
+    if cfg.lookahead:
+        method = f"look-ahead C={cfg.lookahead:g}"
+    elif cfg.weight_prediction:
+        method = "prediction " + ("per-group" if cfg.prediction_per_group else "per-forward")
+    else:
+        method = "plain"
+    chosen = (getattr(args, "paci_lookahead", None) is not None
+              or getattr(args, "paci_weight_prediction", None) is not None)
+    return {"method": method, "by_default": not chosen}
+
+
+def _validated(name: str, flags: Sequence[str], nproc: int):
     from ..arguments import ConfigError, build_parser, validate
 
     parser = build_parser()
@@ -130,15 +160,7 @@ def run_shape(name: str, flags: Sequence[str], nproc: int) -> tta.RunShape:
         cfg = validate(args, nproc)
     except ConfigError as exc:
         raise CompareError(f"run {name}: {exc}") from None
-    return tta.RunShape(
-        schedule=args.pipeline_schedule, num_stages=args.pipeline_model_parallel_size,
-        microbatches=args.num_microbatches, accumulation=cfg.accumulation,
-        sync_iters=cfg.sync_iters, cooldown_start=cfg.shape.cooldown_start,
-        virtual_chunks=args.virtual_pipeline_model_parallel_size or 1,
-        predicts=args.pipeline_schedule == "paci" and cfg.weight_prediction,
-        predicts_per_group=args.pipeline_schedule == "paci" and cfg.weight_prediction
-        and cfg.prediction_per_group,
-        looks_ahead=args.pipeline_schedule == "paci" and bool(cfg.lookahead))
+    return args, cfg
 
 
 # flags a one-stage timing launch must not inherit (value-taking, then switches)
@@ -194,15 +216,18 @@ def measure_costs(train_flags: Sequence[str], shape: tta.RunShape, out: str,
 
 
 def run_one(spec: RunSpec, seed: Optional[int], train_flags: List[str], out: str, nproc: int,
-            timeout: float, reuse: bool = False) -> List[Dict]:
+            timeout: float, reuse: bool = False,
+            method: Optional[Dict[str, object]] = None) -> List[Dict]:
     """Train once; returns the metrics records. With ``reuse``, a finished run of the same
-    name, seed and flags in ``out`` is read back instead of run again."""
+    name, seed, flags and PACI method (``run_method``) in ``out`` is read back instead of run
+    again."""
     stem = spec.name if seed is None else f"{spec.name}.seed{seed}"
     metrics = os.path.join(out, f"{stem}.jsonl")
     seed_flags = [] if seed is None else ["--seed", str(seed)]
     flags = [*train_flags, *spec.flags, *seed_flags]
     record = os.path.join(out, f"{stem}.flags.json")
-    if reuse and _finished_with(metrics, record, flags, nproc):
+    method = method or {"method": "", "by_default": False}
+    if reuse and _finished_with(metrics, record, flags, nproc, method):
         print(f"  reusing {metrics}", flush=True)
         return _read_records(metrics)
     for stale in (metrics, record):
@@ -215,7 +240,7 @@ def run_one(spec: RunSpec, seed: Optional[int], train_flags: List[str], out: str
     if proc.returncode != 0:
         raise RuntimeError(f"{stem} failed (exit {proc.returncode}); see {log.name}")
     with open(record, "w") as f:
-        json.dump({"flags": flags, "nproc_per_node": nproc}, f)
+        json.dump({"flags": flags, "nproc_per_node": nproc, "method": method["method"]}, f)
     return _read_records(metrics)
 
 
@@ -224,13 +249,22 @@ def _read_records(metrics: str) -> List[Dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _finished_with(metrics: str, record: str, flags: List[str], nproc: int) -> bool:
-    """A run in ``out`` that ended (its final record is there) with exactly these flags."""
+def _finished_with(metrics: str, record: str, flags: List[str], nproc: int,
+                   method: Dict[str, object]) -> bool:
+    """A run in ``out`` that ended (its final record is there) with exactly these flags and
+    the same PACI method. A record without its method (written before compare kept it) is
+    taken only where the flags name the method, not where they left it to the default."""
     if not (os.path.exists(metrics) and os.path.exists(record)):
         return False
     with open(record) as f:
-        if json.load(f) != {"flags": flags, "nproc_per_node": nproc}:
+        kept = json.load(f)
+    if (kept.get("flags"), kept.get("nproc_per_node")) != (flags, nproc):
+        return False
+    if "method" in kept:
+        if kept["method"] != method["method"]:
             return False
+    elif method["by_default"]:
+        return False
     return any(r.get("final") for r in _read_records(metrics))
 
 
@@ -288,8 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     parser.add_argument("--reuse", action="store_true",
                         help="read back runs already finished in --out with the same name, "
-                             "seed and flags instead of running them again (to add runs to a "
-                             "study)")
+                             "seed, flags and PACI method instead of running them again (to "
+                             "add runs to a study)")
     return parser
 
 
@@ -359,6 +393,8 @@ def compare(args, train_flags: List[str]) -> int:
         train_flags = train_flags + ["--eval-interval", str(max(1, iters // 10))]
     shapes = {s.name: run_shape(s.name, train_flags + list(s.flags), args.nproc_per_node)
               for s in specs}
+    methods = {s.name: run_method(s.name, train_flags + list(s.flags), args.nproc_per_node)
+               for s in specs}
     base_name = args.baseline or ("1f1b" if "1f1b" in shapes else specs[0].name)
     if base_name not in shapes:
         raise CompareError(f"--baseline {base_name}: no such run; runs: {', '.join(shapes)}")
@@ -384,7 +420,7 @@ def compare(args, train_flags: List[str]) -> int:
             print(f"running {spec.name}" + ("" if seed is None else f" (seed {seed})") + " ...",
                   flush=True)
             records = run_one(spec, seed, train_flags, args.out, args.nproc_per_node,
-                              args.timeout, reuse=args.reuse)
+                              args.timeout, reuse=args.reuse, method=methods[spec.name])
             runs.setdefault(spec.name, []).append(
                 summarize(spec.name, records, shapes[spec.name], costs, seed, gpu))
     targets = targets_per_seed(runs[base_name], extra_targets)
