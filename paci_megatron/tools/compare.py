@@ -117,7 +117,19 @@ def _flag(flags: Sequence[str], name: str, default: Optional[str] = None) -> Opt
 def run_shape(name: str, flags: Sequence[str], nproc: int) -> tta.RunShape:
     """Validate a run's flags as pretrain_gpt_paci.py would (before anything is launched) and
     return what the simulator needs of it."""
-    args, cfg = _validated(name, flags, nproc)
+    return _shape(*_validated(name, flags, nproc))
+
+
+def run_method(name: str, flags: Sequence[str], nproc: int) -> Dict[str, object]:
+    """Which PACI method the flags run, as resolved today, and whether they left it to the
+    default: a finished run whose method was the default of another version is not reused."""
+    return _method(*_validated(name, flags, nproc))
+
+
+NO_METHOD: Dict[str, object] = {"method": "", "by_default": False}  # a stock schedule's
+
+
+def _shape(args, cfg) -> tta.RunShape:
     return tta.RunShape(
         schedule=args.pipeline_schedule, num_stages=args.pipeline_model_parallel_size,
         microbatches=args.num_microbatches, accumulation=cfg.accumulation,
@@ -129,20 +141,16 @@ def run_shape(name: str, flags: Sequence[str], nproc: int) -> tta.RunShape:
         looks_ahead=args.pipeline_schedule == "paci" and bool(cfg.lookahead))
 
 
-def run_method(name: str, flags: Sequence[str], nproc: int) -> Dict[str, object]:
-    """Which PACI method the flags run, as resolved today, and whether they left it to the
-    default: a finished run whose method was the default of another version is not reused."""
-    args, cfg = _validated(name, flags, nproc)
+def _method(args, cfg) -> Dict[str, object]:
     if args.pipeline_schedule != "paci":
-        return {"method": "", "by_default": False}
+        return dict(NO_METHOD)
     if cfg.lookahead:
         method = f"look-ahead C={cfg.lookahead:g}"
     elif cfg.weight_prediction:
         method = "prediction " + ("per-group" if cfg.prediction_per_group else "per-forward")
     else:
         method = "plain"
-    chosen = (getattr(args, "paci_lookahead", None) is not None
-              or getattr(args, "paci_weight_prediction", None) is not None)
+    chosen = args.paci_lookahead is not None or args.paci_weight_prediction is not None
     return {"method": method, "by_default": not chosen}
 
 
@@ -226,7 +234,7 @@ def run_one(spec: RunSpec, seed: Optional[int], train_flags: List[str], out: str
     seed_flags = [] if seed is None else ["--seed", str(seed)]
     flags = [*train_flags, *spec.flags, *seed_flags]
     record = os.path.join(out, f"{stem}.flags.json")
-    method = method or {"method": "", "by_default": False}
+    method = method or NO_METHOD
     if reuse and _finished_with(metrics, record, flags, nproc, method):
         print(f"  reusing {metrics}", flush=True)
         return _read_records(metrics)
@@ -391,10 +399,10 @@ def compare(args, train_flags: List[str]) -> int:
     if "--eval-interval" not in train_flags:
         iters = int(_flag(train_flags, "--train-iters", "20"))
         train_flags = train_flags + ["--eval-interval", str(max(1, iters // 10))]
-    shapes = {s.name: run_shape(s.name, train_flags + list(s.flags), args.nproc_per_node)
-              for s in specs}
-    methods = {s.name: run_method(s.name, train_flags + list(s.flags), args.nproc_per_node)
-               for s in specs}
+    resolved = {s.name: _validated(s.name, train_flags + list(s.flags), args.nproc_per_node)
+                for s in specs}  # each run's flags parsed and checked once
+    shapes = {name: _shape(*run) for name, run in resolved.items()}
+    methods = {name: _method(*run) for name, run in resolved.items()}
     base_name = args.baseline or ("1f1b" if "1f1b" in shapes else specs[0].name)
     if base_name not in shapes:
         raise CompareError(f"--baseline {base_name}: no such run; runs: {', '.join(shapes)}")
