@@ -8,9 +8,9 @@ import json
 import time
 from typing import Dict, List, Optional
 
-from .features import lookahead
+from .features import method_cost_lines
 from .features.base import optimizer_of
-from .features.weight_prediction import cost_lines, default_off_line
+from .features.weight_prediction import default_off_line
 from .mcore import build, nadam
 from .mcore import runtime as mcore_runtime
 from .restart import trim_metrics
@@ -184,7 +184,7 @@ def log_final_drift(dropped: int, drift: List[Dict]) -> None:
             tied = row["tied"]
             log(f"> stage {row['stage']}: tied embedding staleness max {tied['max']} "
                 f"(bound {tied['bound']}), histogram {tied['histogram']}")
-    for line in cost_lines(drift) + lookahead.cost_lines(drift):
+    for line in method_cost_lines(drift):
         log(line)
 
 

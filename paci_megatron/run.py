@@ -39,8 +39,8 @@ from typing import List, Optional, Sequence
 from .autograd_versions import ZERO_CENTERED_GAMMA
 from .config import (Layout, PaciConfig, add_paci_arguments, rampup_micro_batches,
                      refuse_paci_flags, resolve)
-from .features import lookahead
-from .features.weight_prediction import cost_lines, default_off_line
+from .features import method_cost_lines
+from .features.weight_prediction import default_off_line
 from .flag import ConfigError
 from .quiet import exit_after_local_rank0, fallback_notice
 from .restart import restart_count
@@ -254,8 +254,7 @@ def report(runtime) -> None:
             print(f"> PACI tied embedding: staleness max {stale['max']} (bound {stale['bound']}), "
                   f"histogram {stale['histogram']}; stage 0 and last stage copies {same} after "
                   f"the drain (sha256 {tied[0][:12]}, {tied[-1][:12]})", flush=True)
-        for line in (cost_lines(rows, prefix="> PACI stage")
-                     + lookahead.cost_lines(rows, prefix="> PACI stage")):
+        for line in method_cost_lines(rows, prefix="> PACI stage"):
             print(line, flush=True)
 
 

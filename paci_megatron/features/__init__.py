@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import List
 
+from . import lookahead, weight_prediction
 from .base import StageContext, StageFeature
 from .lookahead import Lookahead
 from .stale_correction import StaleGradCorrection
@@ -22,5 +23,12 @@ def build_features(cfg) -> List[StageFeature]:
     return [f for f in (cls.from_config(cfg) for cls in FEATURES) if f is not None]
 
 
+def method_cost_lines(rows: List[dict], prefix: str = "> stage") -> List[str]:
+    """The end-of-run lines of every method with a cost of its own (the prediction's move
+    and restore, the look-ahead's pass), from every stage's summary; none where none ran."""
+    return (weight_prediction.cost_lines(rows, prefix)
+            + lookahead.cost_lines(rows, prefix))
+
+
 __all__ = ["FEATURES", "Lookahead", "StageContext", "StageFeature", "StaleGradCorrection",
-           "StaleGradWeights", "WeightPrediction", "build_features"]
+           "StaleGradWeights", "WeightPrediction", "build_features", "method_cost_lines"]
