@@ -161,15 +161,14 @@ def test_reuse_reads_finished_runs_back_and_reruns_changed_ones(compared, tmp_pa
     # same runs, same report (wall-clock figures included: they are read back)
     assert (out / "report.md").read_text() == before
     # a run whose flags or process count changed is not reused
-    from paci_megatron.tools.compare import _finished_with
+    from paci_megatron.tools.compare import NO_METHOD, _finished_with
     stem = out / f"1f1b.seed{SEEDS[0]}"
     flags = json.loads((out / f"{stem.name}.flags.json").read_text())["flags"]
     metrics, record = f"{stem}.jsonl", f"{stem}.flags.json"
-    no_method = {"method": "", "by_default": False}
-    assert _finished_with(metrics, record, flags, 2, no_method)
-    assert not _finished_with(metrics, record, flags + ["--lr", "1e-3"], 2, no_method)
-    assert not _finished_with(metrics, record, flags, 4, no_method)
-    assert not _finished_with(metrics, str(tmp_path / "none.json"), flags, 2, no_method)
+    assert _finished_with(metrics, record, flags, 2, NO_METHOD)
+    assert not _finished_with(metrics, record, flags + ["--lr", "1e-3"], 2, NO_METHOD)
+    assert not _finished_with(metrics, record, flags, 4, NO_METHOD)
+    assert not _finished_with(metrics, str(tmp_path / "none.json"), flags, 2, NO_METHOD)
     # nor one whose PACI method differs: fp32 leaves this one plain, by default
     stem = out / f"{NAME}.seed{SEEDS[0]}"
     kept = json.loads((out / f"{stem.name}.flags.json").read_text())

@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from paci_megatron.features import lookahead as la
 from paci_megatron.features import prediction_pass as pp
 from paci_megatron.features import weight_prediction as wp
+from paci_megatron.features.throughput import projected_throughput
 from paci_megatron.schedule import Op, plan_stream
 from paci_megatron.shape import drift_bound, steps_in_flight
 
@@ -497,7 +498,7 @@ def test_the_report_projects_what_prediction_leaves_of_pacis_gain(predict_ms, wi
     11/8 x 30. At p = 3 forwards PACI's gain is gone exactly; above, 1F1B is faster."""
     rows = [_row(0, 2, 16, 6, predict_ms, 10.0), _row(1, 2, 16, 4, predict_ms, 10.0),
             _row(2, 2, 16, 2, predict_ms, 10.0), _row(3, 2, 16)]
-    assert wp.projected_throughput(rows) == (pytest.approx(with_it, rel=1e-12), 1.375)
+    assert projected_throughput(rows, wp._prediction_ms) == (pytest.approx(with_it, rel=1e-12), 1.375)
     lines = wp.cost_lines(rows)
     assert len(lines) == 4 and lines[0].startswith("> stage 0: weight prediction on 6 forwards")
     slower = "slower than 1F1B on this machine" in lines[-1]
@@ -523,7 +524,7 @@ def test_the_report_projects_what_the_lookahead_leaves_of_pacis_gain(pass_ms, wi
                         f"a forward ({pass_ms / 10:.2f} forwards a step)")
     assert lines[-1].startswith(f"> PACI: the look-ahead's cost leaves a projected throughput "
                                 f"of {with_it:.2f}x 1F1B's (plain PACI 1.38x")
-    assert wp.projected_throughput(rows, la._pass_ms) == (pytest.approx(with_it, rel=1e-12),
+    assert projected_throughput(rows, la._pass_ms) == (pytest.approx(with_it, rel=1e-12),
                                                           1.375)
     assert la.cost_lines([_row(0, 2, 16), _row(1, 2, 16)]) == []
 

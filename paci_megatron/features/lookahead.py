@@ -30,6 +30,7 @@ from typing import List, Optional
 
 from ..flag import ConfigError, Flag
 from .base import StageContext, StageFeature, optimizer_of
+from .throughput import per_micro_batch, projected_throughput
 from .timer import SpanTimer
 
 LOOKAHEAD_FLAG = Flag(
@@ -56,8 +57,6 @@ def cost_lines(rows: List[dict], prefix: str = "> stage") -> List[str]:
     """The end of a run, from every stage's summary: what the look-ahead's pass cost each
     stage that looked ahead, a step, in forwards of that stage, and the throughput that leaves
     PACI against 1F1B's (M = a; a backward costs 2 forwards). No lines when nothing was timed."""
-    from .weight_prediction import projected_throughput
-
     timed = [r for r in rows if r.get("lookahead_ms") is not None and r.get("forward_ms")]
     if not timed:
         return []
@@ -73,7 +72,7 @@ def cost_lines(rows: List[dict], prefix: str = "> stage") -> List[str]:
 
 def _pass_ms(row: dict) -> float:
     """The look-ahead's cost per micro-batch of the stage: one pass a step."""
-    return (row.get("lookahead_ms") or 0.0) * row["steps"] / max(1, sum(row["histogram"].values()))
+    return per_micro_batch(row, row.get("lookahead_ms"), row["steps"])
 
 
 class Lookahead(StageFeature):

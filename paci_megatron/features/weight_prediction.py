@@ -33,6 +33,7 @@ from typing import Callable, List, Optional, Tuple
 from ..flag import ConfigError, Flag
 from .base import StageContext, StageFeature, optimizer_of
 from .prediction_pass import host_coefficients, predict, scalars_to_device
+from .throughput import per_micro_batch, projected_throughput
 from .timer import SpanTimer
 
 # On by default under --pipeline-schedule paci wherever the run's flags allow it (the paper-
@@ -249,7 +250,7 @@ def cost_lines(rows: List[dict], prefix: str = "> stage") -> List[str]:
         lines.append(f"{prefix} {row['stage']}: weight prediction on {moved} forwards, "
                      f"move + restore {row['predict_ms']:.2f} ms against {row['forward_ms']:.2f} "
                      f"ms a forward ({row['predict_ms'] / row['forward_ms']:.1f} forwards)")
-    with_it, plain = projected_throughput(rows)
+    with_it, plain = projected_throughput(rows, _prediction_ms)
     verdict = ("slower than 1F1B on this machine; --no-paci-weight-prediction runs plain PACI"
                if with_it < 1.0 else "`python -m paci_megatron.tools.compare --project-costs "
                "measured` projects whether its lower loss pays for that")
@@ -261,22 +262,8 @@ def cost_lines(rows: List[dict], prefix: str = "> stage") -> List[str]:
 
 def _prediction_ms(row: dict) -> float:
     """The prediction's cost per micro-batch of the stage: its predicted forwards' share."""
-    moved = sum(row.get("predicted_forwards", {}).values())
-    return (row.get("predict_ms") or 0.0) * moved / max(1, sum(row["histogram"].values()))
-
-
-def projected_throughput(rows: List[dict], method_ms: Callable[[dict], float] = _prediction_ms
-                         ) -> Tuple[float, float]:
-    """(with the method, plain PACI) throughput over 1F1B's, M = a: per micro-batch a stage
-    spends 3 forwards (f + b, b = 2f) plus ``method_ms`` of it (the prediction's by default);
-    the slowest stage sets PACI's pace, 1F1B's is (a + P - 1) / a of the slowest compute."""
-    steps = max(r["steps"] for r in rows)
-    backwards = max(sum(r["histogram"].values()) for r in rows)
-    a = backwards / steps if steps else 1.0
-    plain = (a + len(rows) - 1) / a
-    work = [3.0 * r["forward_ms"] for r in rows if r.get("forward_ms")]
-    paced = [3.0 * r["forward_ms"] + method_ms(r) for r in rows if r.get("forward_ms")]
-    return plain * max(work) / max(paced), plain
+    return per_micro_batch(row, row.get("predict_ms"),
+                           sum(row.get("predicted_forwards", {}).values()))
 
 
 def _versions_kept(params):
