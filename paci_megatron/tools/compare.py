@@ -130,14 +130,13 @@ NO_METHOD: Dict[str, object] = {"method": "", "by_default": False}  # a stock sc
 
 
 def _shape(args, cfg) -> tta.RunShape:
+    predicts = args.pipeline_schedule == "paci" and cfg.weight_prediction
     return tta.RunShape(
         schedule=args.pipeline_schedule, num_stages=args.pipeline_model_parallel_size,
         microbatches=args.num_microbatches, accumulation=cfg.accumulation,
         sync_iters=cfg.sync_iters, cooldown_start=cfg.shape.cooldown_start,
         virtual_chunks=args.virtual_pipeline_model_parallel_size or 1,
-        predicts=args.pipeline_schedule == "paci" and cfg.weight_prediction,
-        predicts_per_group=args.pipeline_schedule == "paci" and cfg.weight_prediction
-        and cfg.prediction_per_group,
+        predicts=predicts, predicts_per_group=predicts and cfg.prediction_per_group,
         looks_ahead=args.pipeline_schedule == "paci" and bool(cfg.lookahead))
 
 
