@@ -33,7 +33,7 @@ class Costs:
     backward: float = 1.0
     step: float = 0.0
     comm: float = 0.0  # latency from a send to the earliest matching receive
-    predict: float = 0.0  # extra for a forward on predicted weights (tools/tta.py marks which)
+    predict: float = 0.0  # extra on a predicted forward (simulate.seconds_per_call marks which)
 
     def at(self, stage: int, action: Action) -> float:
         """What ``action`` costs at ``stage`` (a subclass may tell stages apart)."""

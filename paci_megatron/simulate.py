@@ -2,22 +2,26 @@
 communication models. ``run_lockstep`` (``lockstep.py``, the default; what gloo does here):
 a send never blocks, a receive waits for its send. ``run_nccl`` (``nccl_model.py``,
 ``simulate(..., nccl=NcclModel(...))``): NCCL as Megatron-Core and torch drive it.
-``check_plan`` is what a run's own plan passes before it starts. ``python -m
+``check_plan`` is what a run's own plan passes before it starts. ``seconds_per_call`` times a
+stream's steady state with a method's costs, for compare's projection and a run's end-of-run
+line alike. ``python -m
 paci_megatron.simulate`` prints and checks a schedule.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import dataclasses
+from dataclasses import dataclass
+from typing import FrozenSet, Optional, Sequence, Tuple
 
 from .lockstep import (Costs, DeadlockError, Event, ScheduleError, SimResult, check_lists,
                        run_lockstep)
 from .nccl_model import NcclModel, run_nccl, run_stream_nccl
-from .schedule import Schedule, StreamPlan, build
+from .schedule import Op, Schedule, StreamPlan, build, plan_stream
 
 __all__ = ["Costs", "DeadlockError", "Event", "NcclModel", "ScheduleError", "SimResult",
            "check_lists", "check_plan", "run_lockstep", "run_nccl", "run_stream_nccl",
-           "simulate"]
+           "seconds_per_call", "simulate"]
 
 
 def simulate(schedule: Schedule, costs: Costs = Costs(),
@@ -30,6 +34,59 @@ def simulate(schedule: Schedule, costs: Costs = Costs(),
     flat = [e for evs in stage_events for e in evs]
     makespan = max((e.end for e in flat), default=0.0)
     return SimResult(schedule, flat, makespan, drifts, peaks, stage_events)
+
+
+@dataclass(frozen=True)
+class _PredictedCosts(Costs):
+    """Costs with ``predict`` added to the forwards the weight prediction moves weights for."""
+
+    forwards: FrozenSet[Tuple[int, int]] = frozenset()  # (stage, micro-batch)
+
+    def at(self, stage, action) -> float:
+        stale = action.op is Op.FORWARD and (stage, action.mb) in self.forwards
+        return self.of(action) + (self.predict if stale else 0.0)
+
+
+def _predicted_forwards(plan, calls: int, num_stages: int, per_group: bool):
+    """(stage, micro-batch) of every forward whose backward comes after a local step (the
+    lists say which); ``per_group``: only the first such forward of each group."""
+    out = set()
+    for s in range(num_stages):
+        moved = False
+        for k in range(calls):
+            for act in plan.call(k)[s]:
+                if act.op is Op.STEP:
+                    moved = False
+                elif act.op is Op.FORWARD and plan.steps_before_backward(k, s, act.mb):
+                    if not (per_group and moved):
+                        out.add((s, act.mb))
+                    moved = True
+    return frozenset(out)
+
+
+def seconds_per_call(kind: str, num_stages: int, accumulation: int, per_call: int,
+                     costs: Costs, warmup: int = 2, timed: int = 4,
+                     predicts: bool = False, per_group: bool = False) -> float:
+    """Steady-state time of one forward-backward call: the calls of ``plan_stream`` run in
+    lockstep; per stage, the time from the end of its warm-up calls to its last action, over
+    ``timed`` calls; the slowest stage. ``predicts``: every forward whose backward comes
+    after a local step costs ``costs.predict`` more (``per_group``: the first of each
+    group)."""
+    plan = plan_stream(kind, num_stages, accumulation, per_call)
+    calls = warmup + timed
+    lists = tuple(tuple(act for k in range(calls) for act in plan.call(k)[s])
+                  for s in range(num_stages))
+    if predicts and costs.predict:
+        stale = _predicted_forwards(plan, calls, num_stages, per_group)
+        costs = _PredictedCosts(**dataclasses.asdict(costs), forwards=stale)
+    events = run_lockstep(Schedule(f"{kind}-stream", num_stages, accumulation,
+                                   calls * per_call, lists), costs)
+    worst = 0.0
+    for s, evs in enumerate(events):
+        before = sum(len(plan.call(k)[s]) for k in range(warmup))
+        start = evs[before - 1].end if before else 0.0
+        worst = max(worst, evs[-1].end - start)
+    return worst / timed
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -69,6 +69,18 @@ def test_the_predictions_cost_falls_on_the_forwards_the_lists_mark_stale(P, a, s
     assert tta.seconds_per_iteration(predicted, costs)[1] == 24 + 0.5 * stale
 
 
+@pytest.mark.parametrize("P,a", [(4, 8), (8, 8), (4, 4)])
+def test_once_a_groups_moves_chain_along_one_micro_batchs_path(P, a):
+    """Once a group, each stage but the last moves once, at the first stale forward of each
+    group: the same micro-batch at every stage, whose forward waits for the move upstream. In
+    the tight steady state the P - 1 moves add up, as stage 0's P - 1 moves do per forward
+    (a >= P - 1); per group of a, not the slowest stage's one move."""
+    costs = Costs(1.0, 2.0, 0.0, predict=0.5)
+    groups = 8 // a
+    assert tta.seconds_per_call("paci", P, a, 8, costs, predicts=True, per_group=True) == \
+        24 + 0.5 * (P - 1) * groups
+
+
 def test_run_shape_says_whether_the_run_predicts():
     bf16 = ["--bf16", "--pipeline-model-parallel-size", "4", "--num-layers", "4",
             "--global-batch-size", "8", "--micro-batch-size", "1"]

@@ -461,7 +461,7 @@ def test_the_feature_times_the_move_and_restore_apart_from_the_forward(monkeypat
         time.sleep(0.002)  # the forward
         feature.after_forward(ctx, mb)
     row = feature.summary()
-    assert row["predicted_forwards"] == {1: 2}
+    assert row["predicted_forwards"] == {1: 2} and row["prediction_schedule"] == "per-forward"
     assert 50.0 <= row["predict_ms"] < 400.0  # the second move and restore only
     assert 2.0 <= row["forward_ms"] < 30.0  # the move is not the forward's
 
@@ -483,9 +483,11 @@ def test_prediction_beside_the_stale_gradient_weights_or_correction_is_refused(e
     assert not opts.weight_prediction and extra[0] in opts.prediction_off
 
 
-def _row(stage, steps, backwards, predicted=0, predict_ms=None, forward_ms=None):
+def _row(stage, steps, backwards, predicted=0, predict_ms=None, forward_ms=None,
+         schedule="per-forward"):
     row = {"stage": stage, "steps": steps, "histogram": {0: backwards},
-           "predicted_forwards": {1: predicted} if predicted else {}}
+           "predicted_forwards": {1: predicted} if predicted else {},
+           "prediction_schedule": schedule}
     if predict_ms is not None:
         row.update(predict_ms=predict_ms, forward_ms=forward_ms)
     return row
@@ -498,12 +500,40 @@ def test_the_report_projects_what_prediction_leaves_of_pacis_gain(predict_ms, wi
     11/8 x 30. At p = 3 forwards PACI's gain is gone exactly; above, 1F1B is faster."""
     rows = [_row(0, 2, 16, 6, predict_ms, 10.0), _row(1, 2, 16, 4, predict_ms, 10.0),
             _row(2, 2, 16, 2, predict_ms, 10.0), _row(3, 2, 16)]
-    assert projected_throughput(rows, wp._prediction_ms) == (pytest.approx(with_it, rel=1e-12), 1.375)
+    assert projected_throughput(rows, predict_ms / 10.0) == \
+        (pytest.approx(with_it, rel=1e-12), 1.375)
     lines = wp.cost_lines(rows)
     assert len(lines) == 4 and lines[0].startswith("> stage 0: weight prediction on 6 forwards")
     slower = "slower than 1F1B on this machine" in lines[-1]
     assert slower == (with_it < 1.0)
     assert f"{with_it:.2f}x 1F1B's (plain PACI 1.38x" in lines[-1]
+
+
+@pytest.mark.parametrize("P", [4, 8])
+def test_the_report_chains_once_a_groups_moves_as_compare_does(P):
+    """Once a group, every stage but the last moves at the first stale forward of each group:
+    the same micro-batch's forward at each stage, so in 1F1B's tight steady state the P - 1
+    moves add up along its path. a = M = 8, p forwards a move: 24 + (P-1) p forwards an
+    iteration against plain PACI's 24 (what the slowest stage alone, 24 + p, would miss), and
+    compare's projection of the same run says the same."""
+    from paci_megatron.simulate import Costs
+    from paci_megatron.tools import tta
+
+    p = 0.535  # study 14's P = 8 run, seed 3001
+    rows = [_row(s, 2, 16, 2, 5.35, 10.0, "per-group") for s in range(P - 1)] + [_row(P - 1, 2, 16)]
+    plain = (8 + P - 1) / 8
+    with_it = plain * 24 / (24 + (P - 1) * p)
+    assert projected_throughput(rows, p, per_group=True) == \
+        (pytest.approx(with_it, rel=1e-12), pytest.approx(plain, rel=1e-12))
+    shape = tta.RunShape("paci", P, 8, 8, predicts=True, predicts_per_group=True)
+    costs = tta.with_method(Costs(1.0, 2.0), tta.MethodCost(p))
+    flush, paci = tta.seconds_per_iteration(shape, costs)
+    assert flush / paci == pytest.approx(with_it, rel=1e-12)
+    lines = wp.cost_lines(rows)
+    assert lines[0] == ("> stage 0: weight prediction once a group, 2 moves, 5.35 ms a move "
+                        "against 10.00 ms a forward (0.5 forwards)")
+    assert f"throughput of {with_it:.2f}x 1F1B's" in lines[-1]
+    assert f"{plain * 24 / (24 + p):.2f}x" not in lines[-1]  # not the slowest stage alone
 
 
 def test_the_report_says_nothing_of_prediction_when_none_ran():
@@ -524,8 +554,8 @@ def test_the_report_projects_what_the_lookahead_leaves_of_pacis_gain(pass_ms, wi
                         f"a forward ({pass_ms / 10:.2f} forwards a step)")
     assert lines[-1].startswith(f"> PACI: the look-ahead's cost leaves a projected throughput "
                                 f"of {with_it:.2f}x 1F1B's (plain PACI 1.38x")
-    assert projected_throughput(rows, la._pass_ms) == (pytest.approx(with_it, rel=1e-12),
-                                                          1.375)
+    assert projected_throughput(rows, per_step=pass_ms / 10.0) == \
+        (pytest.approx(with_it, rel=1e-12), 1.375)
     assert la.cost_lines([_row(0, 2, 16), _row(1, 2, 16)]) == []
 
 

@@ -30,7 +30,7 @@ from typing import List, Optional
 
 from ..flag import ConfigError, Flag
 from .base import StageContext, StageFeature, optimizer_of
-from .throughput import per_micro_batch, projected_throughput
+from .throughput import mean_forwards, projected_throughput
 from .timer import SpanTimer
 
 LOOKAHEAD_FLAG = Flag(
@@ -63,16 +63,11 @@ def cost_lines(rows: List[dict], prefix: str = "> stage") -> List[str]:
     lines = [f"{prefix} {r['stage']}: look-ahead pass {r['lookahead_ms']:.2f} ms a step against "
              f"{r['forward_ms']:.2f} ms a forward ({r['lookahead_ms'] / r['forward_ms']:.2f} "
              "forwards a step)" for r in timed]
-    with_it, plain = projected_throughput(rows, _pass_ms)
+    with_it, plain = projected_throughput(rows, per_step=mean_forwards(timed, "lookahead_ms"))
     lines.append(f"> PACI: the look-ahead's cost leaves a projected throughput of {with_it:.2f}x "
                  f"1F1B's (plain PACI {plain:.2f}x; backward = 2 forwards); `python -m "
                  "paci_megatron.tools.compare --project-costs measured` projects it properly")
     return lines
-
-
-def _pass_ms(row: dict) -> float:
-    """The look-ahead's cost per micro-batch of the stage: one pass a step."""
-    return per_micro_batch(row, row.get("lookahead_ms"), row["steps"])
 
 
 class Lookahead(StageFeature):

@@ -33,7 +33,7 @@ from typing import Callable, List, Optional, Tuple
 from ..flag import ConfigError, Flag
 from .base import StageContext, StageFeature, optimizer_of
 from .prediction_pass import host_coefficients, predict, scalars_to_device
-from .throughput import per_micro_batch, projected_throughput
+from .throughput import mean_forwards, projected_throughput
 from .timer import SpanTimer
 
 # On by default under --pipeline-schedule paci wherever the run's flags allow it (the paper-
@@ -153,7 +153,8 @@ class WeightPrediction(StageFeature):
         return "stale forwards on predicted weights"
 
     def summary(self) -> dict:
-        row = {"predicted_forwards": dict(sorted(self.predicted.items()))}
+        row = {"predicted_forwards": dict(sorted(self.predicted.items())),
+               "prediction_schedule": PER_GROUP if self.per_group else PER_FORWARD}
         move, restore = self.move_time.mean_ms(), self.restore_time.mean_ms()
         forward = self.forward_time.mean_ms()
         if self.per_group:  # a move a group, no restore (the step writes the weights)
@@ -239,18 +240,21 @@ class WeightPrediction(StageFeature):
 def cost_lines(rows: List[dict], prefix: str = "> stage") -> List[str]:
     """The end of a run, from every stage's summary: what a predicted forward cost each stage
     that predicted, and the throughput that leaves PACI against 1F1B's (M = a; a backward
-    costs 2 forwards, the simulator's default; ``compare --project-costs measured`` projects
-    it properly). No lines when nothing was predicted or timed."""
+    costs 2 forwards), as compare projects it. No lines when nothing was predicted or timed."""
     timed = [r for r in rows if r.get("predict_ms") is not None and r.get("forward_ms")]
     if not timed:
         return []
+    per_group = any(r.get("prediction_schedule") == PER_GROUP for r in timed)
     lines = []
     for row in timed:
         moved = sum(row["predicted_forwards"].values())
-        lines.append(f"{prefix} {row['stage']}: weight prediction on {moved} forwards, "
-                     f"move + restore {row['predict_ms']:.2f} ms against {row['forward_ms']:.2f} "
-                     f"ms a forward ({row['predict_ms'] / row['forward_ms']:.1f} forwards)")
-    with_it, plain = projected_throughput(rows, _prediction_ms)
+        what = (f"once a group, {moved} moves, {row['predict_ms']:.2f} ms a move" if per_group
+                else f"on {moved} forwards, move + restore {row['predict_ms']:.2f} ms")
+        lines.append(f"{prefix} {row['stage']}: weight prediction {what} against "
+                     f"{row['forward_ms']:.2f} ms a forward "
+                     f"({row['predict_ms'] / row['forward_ms']:.1f} forwards)")
+    with_it, plain = projected_throughput(rows, mean_forwards(timed, "predict_ms"),
+                                          per_group=per_group)
     verdict = ("slower than 1F1B on this machine; --no-paci-weight-prediction runs plain PACI"
                if with_it < 1.0 else "`python -m paci_megatron.tools.compare --project-costs "
                "measured` projects whether its lower loss pays for that")
@@ -258,12 +262,6 @@ def cost_lines(rows: List[dict], prefix: str = "> stage") -> List[str]:
                  f"{with_it:.2f}x 1F1B's (plain PACI {plain:.2f}x; backward = 2 forwards); "
                  f"{verdict}")
     return lines
-
-
-def _prediction_ms(row: dict) -> float:
-    """The prediction's cost per micro-batch of the stage: its predicted forwards' share."""
-    return per_micro_batch(row, row.get("predict_ms"),
-                           sum(row.get("predicted_forwards", {}).values()))
 
 
 def _versions_kept(params):

@@ -2,7 +2,7 @@
 takes on accelerators, projected with the lockstep simulator.
 
 Pure Python, no torch. ``compare.py`` feeds it the curves of real runs; the projection runs
-each schedule's own action lists (``schedule.plan_stream``) through ``simulate.run_lockstep``
+each schedule's own action lists (``schedule.plan_stream``) through ``simulate.seconds_per_call``
 with per-action costs, so a schedule's bubble is what its lists imply for this P and M.
 """
 
@@ -11,12 +11,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import FrozenSet, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from .. import interleaved
-from ..schedule import Op, Schedule, plan_stream
 from ..shape import local_steps, stock_iterations
-from ..simulate import Costs, run_lockstep
+from ..simulate import Costs, seconds_per_call
 
 # A curve point: (x values, loss). The x values (samples, updates, seconds, ...) all grow with
 # training, so one fraction between two points interpolates every one of them.
@@ -73,59 +72,6 @@ class RunShape:
             return iterations
         return local_steps(iterations, self.microbatches, self.accumulation, self.sync_iters,
                            self.cooldown_start)
-
-
-@dataclass(frozen=True)
-class _PredictedCosts(Costs):
-    """Costs with ``predict`` added to the forwards the weight prediction moves weights for."""
-
-    forwards: FrozenSet[Tuple[int, int]] = frozenset()  # (stage, micro-batch)
-
-    def at(self, stage, action) -> float:
-        stale = action.op is Op.FORWARD and (stage, action.mb) in self.forwards
-        return self.of(action) + (self.predict if stale else 0.0)
-
-
-def _predicted_forwards(plan, calls: int, num_stages: int, per_group: bool):
-    """(stage, micro-batch) of every forward whose backward comes after a local step (the
-    lists say which); ``per_group``: only the first such forward of each group."""
-    out = set()
-    for s in range(num_stages):
-        moved = False
-        for k in range(calls):
-            for act in plan.call(k)[s]:
-                if act.op is Op.STEP:
-                    moved = False
-                elif act.op is Op.FORWARD and plan.steps_before_backward(k, s, act.mb):
-                    if not (per_group and moved):
-                        out.add((s, act.mb))
-                    moved = True
-    return frozenset(out)
-
-
-def seconds_per_call(kind: str, num_stages: int, accumulation: int, per_call: int,
-                     costs: Costs, warmup: int = 2, timed: int = 4,
-                     predicts: bool = False, per_group: bool = False) -> float:
-    """Steady-state time of one forward-backward call: the calls of ``plan_stream`` run in
-    lockstep; per stage, the time from the end of its warm-up calls to its last action, over
-    ``timed`` calls; the slowest stage. ``predicts``: every forward whose backward comes
-    after a local step costs ``costs.predict`` more (``per_group``: the first of each
-    group)."""
-    plan = plan_stream(kind, num_stages, accumulation, per_call)
-    calls = warmup + timed
-    lists = tuple(tuple(act for k in range(calls) for act in plan.call(k)[s])
-                  for s in range(num_stages))
-    if predicts and costs.predict:
-        stale = _predicted_forwards(plan, calls, num_stages, per_group)
-        costs = _PredictedCosts(**dataclasses.asdict(costs), forwards=stale)
-    events = run_lockstep(Schedule(f"{kind}-stream", num_stages, accumulation,
-                                   calls * per_call, lists), costs)
-    worst = 0.0
-    for s, evs in enumerate(events):
-        before = sum(len(plan.call(k)[s]) for k in range(warmup))
-        start = evs[before - 1].end if before else 0.0
-        worst = max(worst, evs[-1].end - start)
-    return worst / timed
 
 
 def seconds_per_iteration(shape: RunShape, costs: Costs) -> Tuple[float, float]:
