@@ -4,8 +4,7 @@ a send never blocks, a receive waits for its send. ``run_nccl`` (``nccl_model.py
 ``simulate(..., nccl=NcclModel(...))``): NCCL as Megatron-Core and torch drive it.
 ``check_plan`` is what a run's own plan passes before it starts. ``seconds_per_call`` times a
 stream's steady state with a method's costs, for compare's projection and a run's end-of-run
-line alike. ``python -m
-paci_megatron.simulate`` prints and checks a schedule.
+line alike. ``python -m paci_megatron.simulate`` prints and checks a schedule.
 """
 
 from __future__ import annotations

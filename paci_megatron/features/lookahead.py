@@ -66,7 +66,8 @@ def cost_lines(rows: List[dict], prefix: str = "> stage") -> List[str]:
     with_it, plain = projected_throughput(rows, per_step=mean_forwards(timed, "lookahead_ms"))
     lines.append(f"> PACI: the look-ahead's cost leaves a projected throughput of {with_it:.2f}x "
                  f"1F1B's (plain PACI {plain:.2f}x; backward = 2 forwards); `python -m "
-                 "paci_megatron.tools.compare --project-costs measured` projects it properly")
+                 "paci_megatron.tools.compare --project-costs measured` projects whether its "
+                 "lower loss pays for that")
     return lines
 
 
