@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from paci_megatron.features import lookahead as la
 from paci_megatron.features import prediction_pass as pp
 from paci_megatron.features import weight_prediction as wp
-from paci_megatron.features.throughput import projected_throughput
+from paci_megatron.throughput import projected_throughput
 from paci_megatron.schedule import Op, plan_stream
 from paci_megatron.shape import drift_bound, steps_in_flight
 

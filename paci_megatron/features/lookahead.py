@@ -30,7 +30,7 @@ from typing import List, Optional
 
 from ..flag import ConfigError, Flag
 from .base import StageContext, StageFeature, optimizer_of
-from .throughput import mean_forwards, projected_throughput
+from ..throughput import mean_forwards, projected_throughput
 from .timer import SpanTimer
 
 LOOKAHEAD_FLAG = Flag(

@@ -33,7 +33,7 @@ from typing import Callable, List, Optional, Tuple
 from ..flag import ConfigError, Flag
 from .base import StageContext, StageFeature, optimizer_of
 from .prediction_pass import host_coefficients, predict, scalars_to_device
-from .throughput import mean_forwards, projected_throughput
+from ..throughput import mean_forwards, projected_throughput
 from .timer import SpanTimer
 
 # On by default under --pipeline-schedule paci wherever the run's flags allow it (the paper-

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ..throughput import mean_ratio
 from ..simulate import Costs
 from . import tta
 from .compare_report import X_GPU, X_PROJECTED, X_SAMPLES, X_UNCOSTED, X_UPDATES
@@ -16,25 +17,27 @@ class CompareError(ValueError):
     """Bad compare flags; the message names the flag and the fix."""
 
 
+def _stage_forwards(final: Dict) -> List[Optional[float]]:
+    """Per stage, the forward the run's final record timed beside its method's cost."""
+    return final.get("method_forward_ms") or final.get("predicted_forward_ms") or []
+
+
 def stage_ratios(final: Dict, key: str) -> List[Optional[float]]:
     """Per stage, the cost the run's final record times under ``key`` over the same stage's
     forward (None or 0 where the stage timed neither)."""
-    forwards = final.get("method_forward_ms") or final.get("predicted_forward_ms") or []
-    return [c and f and c / f for c, f in zip(final.get(key) or [], forwards)]
+    return [c and f and c / f for c, f in zip(final.get(key) or [], _stage_forwards(final))]
 
 
-def _mean_ratio(ratios: Sequence[Optional[float]]) -> Optional[float]:
-    """Mean over the stages that timed both."""
-    timed = [r for r in ratios if r]
-    return sum(timed) / len(timed) if timed else None
+def _mean_ratio(final: Dict, key: str) -> Optional[float]:
+    return mean_ratio(final.get(key) or [], _stage_forwards(final))
 
 
 def measured_method_cost(shape: tta.RunShape, final: Dict, costs: Costs) -> tta.MethodCost:
     """The run's method's cost in forwards as the run timed it (per stage, over the same
     stage's forward, the mean over stages); where it did not time it, the projection's own
     --project-predict-ms (a look-ahead always times its pass where it moves anything)."""
-    predict = _mean_ratio(stage_ratios(final, "predict_ms")) if shape.predicts else 0.0
-    ahead = _mean_ratio(stage_ratios(final, "lookahead_ms")) if shape.looks_ahead else 0.0
+    predict = _mean_ratio(final, "predict_ms") if shape.predicts else 0.0
+    ahead = _mean_ratio(final, "lookahead_ms") if shape.looks_ahead else 0.0
     source = "its run's timing"
     if predict is None:
         if not costs.predict:
