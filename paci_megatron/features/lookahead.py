@@ -100,6 +100,11 @@ class Lookahead(StageFeature):
         if getattr(args, "paci_weight_prediction", None):
             raise ConfigError(f"--paci-lookahead {strength:g} and --paci-weight-prediction "
                               "both move the weights ahead: choose one")
+        from .weight_prediction import flat_state_unsupported
+
+        why = flat_state_unsupported(args)
+        if why:
+            raise ConfigError(f"--paci-lookahead {strength:g} {why} (or drop --paci-lookahead)")
         if optimizer_of(args) not in ("adam", "sgd"):
             raise ConfigError(f"--paci-lookahead {strength:g} follows Adam's and SGD's "
                               f"steps, not --optimizer {optimizer_of(args)}: use --optimizer "

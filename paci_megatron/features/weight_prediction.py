@@ -22,7 +22,10 @@ No copy of the weights and no temporaries: the main copies and optimizer state a
 flat (``mcore/main_params.py``) and one fused kernel per piece moves the weights
 (``torch.compile``; a plain chunked pass where it cannot run). That needs the fp32 main copy,
 which exists under --bf16 and --fp16 only: in fp32 the default leaves the prediction off
-(the start-up line says why) and the flag is refused.
+(the start-up line says why) and the flag is refused. So it is, when the flags are read,
+where Megatron-LM keeps the weights or the state outside that layout: FP8 and FP4 weights
+(uint8 buffers) and the precision-aware optimizer (its state inside Transformer Engine's
+FusedAdam).
 """
 
 from __future__ import annotations
@@ -66,12 +69,57 @@ OVERLAP_FLAG = Flag(
          "--use-distributed-optimizer (whole-stage moves there, and the start-up line says so)")
 
 
+# Megatron-LM's flags that keep a stage's weights in FP8 (its recipe: delayed, tensorwise,
+# MXFP8, blockwise) or NVFP4 format: uint8 buffers, which the flat state does not hold
+# (megatron-core 0.16: --fp4-param; 0.17 on: --fp4-param-gather)
+LOW_PRECISION_WEIGHTS = (("--fp8-param-gather", "fp8_param_gather"),
+                         ("--fp4-param-gather", "fp4_param_gather"), ("--fp4-param", "fp4_param"))
+# Megatron-LM's precision-aware optimizer and the state dtypes it takes (fp32 unless asked)
+PRECISION_AWARE = ("--use-precision-aware-optimizer", "use_precision_aware_optimizer")
+STATE_DTYPES = (("--main-params-dtype", "main_params_dtype"), ("--exp-avg-dtype", "exp_avg_dtype"),
+                ("--exp-avg-sq-dtype", "exp_avg_sq_dtype"))
+
+
+def dtype_name(value) -> str:
+    """Megatron-LM's name for a dtype flag's value: the name itself before its validate_args,
+    a torch dtype after it (fp8 is uint8 there)."""
+    text = str(value).replace("torch.", "")
+    return {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "uint8": "fp8"}.get(text,
+                                                                                         text)
+
+
+def flat_state_unsupported(args) -> str:
+    """Why the stage's flat state that the prediction and the look-ahead move
+    (``mcore/main_params.py``: the bf16/fp16 model weights, their fp32 main copies and the
+    optimizer's fp32 state) does not hold this run's weights or state, with the fix ("" when
+    it does). Megatron-LM's flags only: ``pretrain_gpt_paci.py`` has none of them."""
+    for name, dest in LOW_PRECISION_WEIGHTS:
+        if getattr(args, dest, False):
+            return (f"does not move FP8 or FP4 weights ({name}): Megatron keeps them in uint8 "
+                    "buffers and the pass moves bf16/fp16 weights only, so every linear "
+                    "weight would stay where it is (and the prediction's clipping norm would "
+                    f"miss its gradient); drop {name} to use it")
+    given = [name for name, dest in (PRECISION_AWARE,) if getattr(args, dest, False)]
+    given += [f"{name} {dtype_name(getattr(args, dest))}" for name, dest in STATE_DTYPES
+              if getattr(args, dest, None) is not None
+              and dtype_name(getattr(args, dest)) != "fp32"]
+    if given:
+        return (f"does not support {' and '.join(given)}: it reads and moves Megatron's fp32 "
+                "main copies and fp32 optimizer state, which the precision-aware optimizer "
+                "keeps inside Transformer Engine's FusedAdam instead (or in lower precision); "
+                f"drop {' and '.join(g.split()[0] for g in given)} to use it")
+    return ""
+
+
 def unsupported(args) -> str:
     """Why this run's flags rule the prediction out, with the fix ("" when they do not)."""
     if not (getattr(args, "bf16", False) or getattr(args, "fp16", False)):
         return ("needs --bf16 or --fp16: the weights are put back after a predicted forward "
                 "from the optimizer's fp32 main copy, which fp32 training does not keep "
                 "(undoing an in-place move in fp32 is not exact)")
+    state = flat_state_unsupported(args)
+    if state:
+        return state
     if getattr(args, "overlap_param_gather", False):
         return ("does not support --overlap-param-gather: the predicted weights must be "
                 "gathered before the forward that uses them, and put back right after it; "
@@ -138,7 +186,9 @@ class WeightPrediction(StageFeature):
         if getattr(args, PREDICTION_FLAG.dest, None):
             why = unsupported(args)
             if why:
-                raise ConfigError(f"--paci-weight-prediction {why}")
+                plain = " (or drop --paci-weight-prediction: the paper's plain PACI)" \
+                    if why == flat_state_unsupported(args) else ""
+                raise ConfigError(f"--paci-weight-prediction {why}{plain}")
 
     @classmethod
     def from_config(cls, cfg) -> Optional["WeightPrediction"]:

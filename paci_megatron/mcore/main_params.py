@@ -101,8 +101,10 @@ def check_optimizer(optimizer) -> str:
     for opt in sub_optimizers(optimizer):
         config = getattr(opt, "config", None)
         if getattr(config, "use_precision_aware_optimizer", False):
-            raise ConfigError("--paci-weight-prediction needs Megatron's fp32 main copies: drop "
-                              "--use-precision-aware-optimizer")
+            raise ConfigError("--paci-weight-prediction and --paci-lookahead need Megatron's "
+                              "fp32 main copies, which --use-precision-aware-optimizer does not "
+                              "keep: drop it, or run --no-paci-weight-prediction without "
+                              "--paci-lookahead")
         if not (hasattr(opt, "fp32_from_float16_groups")
                 or hasattr(opt, "shard_fp32_from_float16_groups")):
             raise ConfigError("--paci-weight-prediction found no fp32 main copy in the stage's "
@@ -115,8 +117,17 @@ def check_optimizer(optimizer) -> str:
 
 
 def _buffers(model) -> list:
-    return [b for b in list(getattr(model, "buffers", [])) + list(getattr(
-        model, "expert_parallel_buffers", [])) if b.param_dtype in (torch.bfloat16, torch.float16)]
+    """The stage's bf16/fp16 gradient buffers. FP8 and FP4 weights (uint8 buffers) would be
+    left out, unpredicted and missing from the clipping norm: the flags refuse them
+    (``weight_prediction.flat_state_unsupported``), and so does this, should one get here."""
+    every = list(getattr(model, "buffers", [])) + list(getattr(model, "expert_parallel_buffers",
+                                                               []))
+    if any(b.param_dtype not in (torch.bfloat16, torch.float16, torch.float32) for b in every):
+        raise ConfigError("--paci-weight-prediction and --paci-lookahead move bf16/fp16 weights "
+                          "only, not FP8 or FP4 ones (--fp8-param-gather, --fp4-param-gather): "
+                          "drop that flag, or run --no-paci-weight-prediction without "
+                          "--paci-lookahead")
+    return [b for b in every if b.param_dtype in (torch.bfloat16, torch.float16)]
 
 
 def _tp_partial(name: str, param, config, tp_size: int) -> bool:

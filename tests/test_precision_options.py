@@ -1,0 +1,86 @@
+"""Megatron-LM's precision and memory options against PACI's convergence methods, decided when
+the flags are read (before the model is built): FP8/FP4 weights and the precision-aware
+optimizer turn the default weight prediction off with a start-up line saying why (and an
+explicit request is refused, naming both flags); the MXFP8 buffer that is also the gradient
+buffer is refused under PACI; CUDA graphs are refused beside the layer-by-layer move. Single
+process: the drop-in's validator on Megatron-LM's parsed flags (``megatron_lm_args``), before
+and after Megatron-LM's own validate_args has rewritten them."""
+
+import pytest
+import torch
+
+from launch import megatron_lm_args
+from messages import names_flag
+
+from paci_megatron import run as paci_run
+from paci_megatron.features import weight_prediction as wp
+from paci_megatron.flag import ConfigError
+
+# Megatron-LM's flags that keep weights in uint8 buffers, by release: 0.16 has --fp4-param,
+# 0.17 on --fp4-param-gather; --fp8-param-gather (FP8 and MXFP8 recipes) in all of them
+LOW_PRECISION = [("--fp8-param-gather", "fp8_param_gather"),
+                 ("--fp4-param-gather", "fp4_param_gather"), ("--fp4-param", "fp4_param")]
+DIST_OPT = dict(bf16=True, use_distributed_optimizer=True)
+
+
+def _refused(**flags) -> str:
+    with pytest.raises(ConfigError) as info:
+        paci_run.validate_flags(megatron_lm_args(**flags))
+    return str(info.value)
+
+
+@pytest.mark.parametrize("flag,dest", LOW_PRECISION)
+def test_fp8_and_fp4_weights_turn_the_default_prediction_off_and_say_why(flag, dest):
+    """Their weights live in uint8 buffers the prediction's flat state leaves out (every
+    linear weight unpredicted, its gradient missing from the clipping norm): the default is
+    off at flag time, and the start-up line names the flag and the fix."""
+    cfg = paci_run.validate_flags(megatron_lm_args(**DIST_OPT, **{dest: True}))
+    assert not cfg.weight_prediction
+    line = wp.default_off_line(cfg.prediction_off)
+    assert line.startswith("> PACI: weight prediction (on by default) is off for this run")
+    assert names_flag(line, flag) and "uint8" in line and f"drop {flag}" in line
+    assert paci_run.validate_flags(megatron_lm_args(**DIST_OPT)).weight_prediction
+
+
+@pytest.mark.parametrize("flag,dest", LOW_PRECISION)
+def test_asking_for_prediction_or_lookahead_with_fp8_or_fp4_weights_is_refused(flag, dest):
+    message = _refused(**DIST_OPT, **{dest: True}, paci_weight_prediction=True)
+    assert names_flag(message, "--paci-weight-prediction") and names_flag(message, flag)
+    assert f"drop {flag}" in message and "drop --paci-weight-prediction" in message
+    message = _refused(**DIST_OPT, **{dest: True}, paci_lookahead=1.0)
+    assert message.startswith("--paci-lookahead 1 does not move FP8 or FP4 weights")
+    assert names_flag(message, flag)
+
+
+@pytest.mark.parametrize("flags,named", [
+    (dict(use_precision_aware_optimizer=True), ["--use-precision-aware-optimizer"]),
+    # Megatron-LM's names before its validate_args, torch dtypes after it
+    (dict(use_precision_aware_optimizer=True, main_params_dtype="fp16", exp_avg_dtype="fp8",
+          exp_avg_sq_dtype="fp32"),
+     ["--use-precision-aware-optimizer", "--main-params-dtype fp16", "--exp-avg-dtype fp8"]),
+    (dict(exp_avg_sq_dtype=torch.bfloat16, main_params_dtype=torch.float32),
+     ["--exp-avg-sq-dtype bf16"]),
+])
+def test_the_precision_aware_optimizer_turns_the_default_off_at_flag_time(flags, named):
+    """Today's bind-time error came after the model and any checkpoint were built and told the
+    user to drop Megatron's flag: the default now turns off when the flags are read, saying
+    why; an explicit request is refused then, naming both flags and the fix."""
+    cfg = paci_run.validate_flags(megatron_lm_args(**DIST_OPT, **flags))
+    assert not cfg.weight_prediction
+    line = wp.default_off_line(cfg.prediction_off)
+    assert all(name in line for name in named), line
+    assert "fp32 main copies" in line and f"drop {named[0].split()[0]}" in line
+    message = _refused(**DIST_OPT, **flags, paci_weight_prediction=True)
+    assert names_flag(message, "--paci-weight-prediction")
+    assert all(name in message for name in named)
+    assert f"drop {named[0].split()[0]}" in message and "drop --paci-weight-prediction" in message
+    message = _refused(**DIST_OPT, **flags, paci_lookahead=2.0)
+    assert message.startswith("--paci-lookahead 2 does not support") and named[0] in message
+
+
+def test_fp32_state_dtypes_change_nothing():
+    for value in ("fp32", torch.float32):
+        cfg = paci_run.validate_flags(megatron_lm_args(
+            **DIST_OPT, main_params_dtype=value, exp_avg_dtype=value, exp_avg_sq_dtype=value,
+            use_precision_aware_optimizer=False))
+        assert cfg.weight_prediction and cfg.prediction_off == ""
