@@ -136,8 +136,23 @@ def validate_flags(args: argparse.Namespace) -> Optional[PaciConfig]:
                           f"stay in flight across them); drop --rerun-mode {rerun_mode}")
     if getattr(args, "apply_layernorm_1p", False):
         raise ConfigError(ZERO_CENTERED_GAMMA)
+    if getattr(args, "reuse_grad_buf_for_mxfp8_param_ag", False):
+        raise ConfigError(REUSE_GRAD_BUF)
     refuse_stage_crossing_collectives(args)
     return cfg
+
+
+# Under PACI a stage's gradient buffer holds a group's partial sum between its backwards, and
+# weights are gathered in between; with this flag the gather's buffer is that gradient buffer.
+REUSE_GRAD_BUF = (
+    "--pipeline-schedule paci does not support --reuse-grad-buf-for-mxfp8-param-ag: it makes "
+    "the MXFP8 weights' all-gather buffer the gradient buffer, and under PACI weights are "
+    "gathered while that buffer holds the partial gradient of a local step's group (a local "
+    "step inside an iteration with --overlap-param-gather, whose copy of the weights into the "
+    "buffer Megatron-LM makes once an iteration; a move of the weights), so a gather would "
+    "wipe the accumulated gradient or gather it into the weights; drop "
+    "--reuse-grad-buf-for-mxfp8-param-ag (MXFP8 weights then keep a buffer of their own: more "
+    "memory) or use --pipeline-schedule 1f1b")
 
 
 def check_and_adapt(args: argparse.Namespace) -> Optional[PaciConfig]:

@@ -84,3 +84,18 @@ def test_fp32_state_dtypes_change_nothing():
             **DIST_OPT, main_params_dtype=value, exp_avg_dtype=value, exp_avg_sq_dtype=value,
             use_precision_aware_optimizer=False))
         assert cfg.weight_prediction and cfg.prediction_off == ""
+
+
+def test_the_mxfp8_buffer_shared_with_the_gradients_is_refused_under_paci():
+    """--reuse-grad-buf-for-mxfp8-param-ag makes the weights' all-gather buffer the gradient
+    buffer; under PACI weights are gathered while it holds a group's partial gradient, so
+    the flag is refused under paci (named, with the fix), not under 1f1b."""
+    flags = dict(**DIST_OPT, fp8_param_gather=True, reuse_grad_buf_for_mxfp8_param_ag=True)
+    message = _refused(**flags)
+    assert names_flag(message, "--reuse-grad-buf-for-mxfp8-param-ag")
+    assert "drop --reuse-grad-buf-for-mxfp8-param-ag" in message and "1f1b" in message
+    for explicit in (dict(paci_weight_prediction=False), dict(paci_lookahead=None)):
+        assert "--reuse-grad-buf-for-mxfp8-param-ag" in _refused(**flags, **explicit)
+    stock = megatron_lm_args(**flags)
+    stock.pipeline_schedule = "1f1b"
+    assert paci_run.validate_flags(stock) is None
