@@ -99,3 +99,24 @@ def test_the_mxfp8_buffer_shared_with_the_gradients_is_refused_under_paci():
     stock = megatron_lm_args(**flags)
     stock.pipeline_schedule = "1f1b"
     assert paci_run.validate_flags(stock) is None
+
+
+GRAPHS = [(dict(enable_cuda_graph=True), "--enable-cuda-graph"),
+          (dict(external_cuda_graph=True), "--external-cuda-graph"),
+          # after Megatron-LM's validate_args, which turns the two into --cuda-graph-impl
+          (dict(cuda_graph_impl="local"), "--cuda-graph-impl local"),
+          (dict(cuda_graph_impl="transformer_engine"), "--cuda-graph-impl transformer_engine")]
+
+
+@pytest.mark.parametrize("graphs,named", GRAPHS)
+def test_cuda_graphs_are_refused_beside_the_layer_by_layer_move(graphs, named):
+    """A CUDA graph replays a layer without its forward hooks, where the layer-by-layer move
+    runs: refused when the flags are read, naming both flags and the fix."""
+    message = _refused(bf16=True, paci_weight_prediction_overlap=True, **graphs)
+    assert names_flag(message, "--paci-weight-prediction-overlap") and named in message
+    assert "drop --paci-weight-prediction-overlap" in message
+    assert f"drop {named.split()[0]}" in message
+    cfg = paci_run.validate_flags(megatron_lm_args(bf16=True, **graphs))
+    assert cfg.weight_prediction and not cfg.prediction_overlap  # the whole-stage move
+    assert paci_run.validate_flags(megatron_lm_args(
+        bf16=True, paci_weight_prediction_overlap=True, cuda_graph_impl="none")).prediction_overlap

@@ -145,6 +145,18 @@ def unsupported(args) -> str:
     return ""
 
 
+def cuda_graph_flag(args) -> str:
+    """The Megatron-LM flag (and value) that replays layers as CUDA graphs, "" if none:
+    --enable-cuda-graph and --external-cuda-graph before its validate_args, which turns them
+    into --cuda-graph-impl local / transformer_engine (0.16 on; full_iteration from 0.18)."""
+    for name, dest in (("--enable-cuda-graph", "enable_cuda_graph"),
+                       ("--external-cuda-graph", "external_cuda_graph")):
+        if getattr(args, dest, False):
+            return name
+    impl = getattr(args, "cuda_graph_impl", None)
+    return f"--cuda-graph-impl {impl}" if impl not in (None, "none") else ""
+
+
 def prediction_setting(args) -> Tuple[bool, str]:
     """(on, why the default is off for this run): the flag where it is given, else the
     default where the run's flags allow it."""
@@ -189,6 +201,14 @@ class WeightPrediction(StageFeature):
                 plain = " (or drop --paci-weight-prediction: the paper's plain PACI)" \
                     if why == flat_state_unsupported(args) else ""
                 raise ConfigError(f"--paci-weight-prediction {why}{plain}")
+        graphs = cuda_graph_flag(args)
+        if getattr(args, OVERLAP_FLAG.dest, False) and graphs:
+            raise ConfigError(
+                f"--paci-weight-prediction-overlap moves each layer's weights in that layer's "
+                f"forward hooks, and a CUDA graph replay ({graphs}) runs the layer without "
+                "its hooks, so the layer would run on unmoved weights: drop "
+                f"--paci-weight-prediction-overlap (the whole stage then moves before each "
+                f"predicted forward) or drop {graphs.split()[0]}")
 
     @classmethod
     def from_config(cls, cfg) -> Optional["WeightPrediction"]:
