@@ -120,3 +120,23 @@ def test_cuda_graphs_are_refused_beside_the_layer_by_layer_move(graphs, named):
     assert cfg.weight_prediction and not cfg.prediction_overlap  # the whole-stage move
     assert paci_run.validate_flags(megatron_lm_args(
         bf16=True, paci_weight_prediction_overlap=True, cuda_graph_impl="none")).prediction_overlap
+
+
+@pytest.mark.dist
+def test_with_several_optimizer_instances_the_norm_counts_each_shard_once(tmp_path):
+    """--num-distributed-optimizer-instances N: every instance holds every shard of a stage's
+    gradient, so a norm summed over the stage's whole tensor x data-parallel group is sqrt(N)
+    too large and the step over-clips (with the prediction off too). The group PACI hands the
+    optimizer is the stage's part of this rank's instance, as Megatron's own (over all
+    stages) is: the norm is the stage gradient's (tests/workers/grad_stats_cases.py, 4 ranks
+    on gloo). With one instance it stays the stage's whole group."""
+    from launch import worker_rows
+
+    rows = worker_rows("tests/workers/grad_stats_cases.py", tmp_path,
+                       [(4, ["p1_n2", "p2_n2", "p2_n1"])], timeout=180)
+    for case in ("p1_n2", "p2_n2", "p2_n1"):
+        assert len(rows[case]) == 4
+        for row in rows[case]:
+            assert row["norm"] == pytest.approx(row["expected"], rel=1e-6), (case, row)
+            assert set(row["group"]) <= set(row["stage_ranks"])  # stage-local
+            assert len(row["group"]) * row["instances"] == len(row["stage_ranks"])

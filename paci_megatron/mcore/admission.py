@@ -51,11 +51,61 @@ def stage_local_groups(pg: ProcessGroupCollection) -> ProcessGroupCollection:
 
 
 def stage_grad_stats_group(optimizer) -> Any:
-    """Grad-norm / found-inf reductions restricted to this stage (tensor x data parallel for
-    the distributed optimizer, whose grads are sharded over data parallel; tensor otherwise)."""
+    """Grad-norm / found-inf reductions restricted to this stage: tensor parallel, and for
+    the distributed optimizer, whose gradients are sharded over data parallel, tensor x data
+    x context parallel within one distributed-optimizer instance (``instance_group``)."""
     if getattr(optimizer.config, "use_distributed_optimizer", False):
-        return parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+        return instance_group()
     return parallel_state.get_tensor_model_parallel_group()
+
+
+# --num-distributed-optimizer-instances N > 1: this rank's part of its instance's group, in
+# its stage (made by ``make_instance_groups``)
+_INSTANCE_GROUP: dict = {}
+
+
+def _instance_ranks():
+    """(this stage's tensor x data x context-parallel group, its ranks that share this rank's
+    distributed-optimizer instance). With N instances each holds every shard of the stage's
+    gradient (Megatron all-reduces them across instances), so a norm summed over the whole
+    stage counts each shard N times; Megatron's own group is the instance's, over all stages
+    (``get_intra_distributed_optimizer_instance_group``): its part in this stage."""
+    stage = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    instance = parallel_state.get_intra_distributed_optimizer_instance_group(
+        check_initialized=False)
+    ranks = torch.distributed.get_process_group_ranks(stage)
+    if instance is None:
+        return stage, tuple(ranks)
+    inside = set(torch.distributed.get_process_group_ranks(instance))
+    return stage, tuple(r for r in ranks if r in inside)
+
+
+def make_instance_groups() -> None:
+    """Every rank, at the same point (``PaciRuntime.bind``): with one instance nothing; with
+    N > 1 one gather of every rank's instance ranks over all ranks, then one group per
+    distinct list, made by every rank in one order (torch's ``new_group`` wants all)."""
+    stage, mine = _instance_ranks()
+    if len(mine) == stage.size() or mine in _INSTANCE_GROUP:  # the same on every rank
+        return
+    every: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, mine)
+    for ranks in sorted(set(every)):
+        group = torch.distributed.new_group(list(ranks))
+        if ranks == mine:
+            _INSTANCE_GROUP[mine] = group
+
+
+def instance_group() -> Any:
+    """The distributed optimizer's stage-local grad-stats group: the stage's whole tensor x
+    data x context-parallel group with one instance, else the part of it in this rank's
+    instance (``make_instance_groups`` must have run)."""
+    stage, mine = _instance_ranks()
+    if len(mine) == stage.size():
+        return stage
+    if mine not in _INSTANCE_GROUP:
+        raise RuntimeError("--num-distributed-optimizer-instances > 1: the stage's "
+                           "instance groups are made at PaciRuntime.bind, on every rank")
+    return _INSTANCE_GROUP[mine]
 
 
 def unwrap(model):

@@ -120,6 +120,7 @@ class PaciRuntime:
         self.lr_scheduler = lr_scheduler
         self.lr_increment = lr_increment
         self.ctx.optimizer = optimizer
+        admission.make_instance_groups()  # every rank binds: --num-distributed-optimizer-instances
         self._wire_prediction(optimizer)
         for feature in self.user_features:
             feature.on_bind(self.ctx)
