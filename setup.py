@@ -6,13 +6,18 @@ import re
 from setuptools import setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# torch: the versions the code is tested with (2.13 on CPU with every megatron-core release,
-# 2.11 on an H200 with 0.16.1) and those between; every megatron-core release from 0.16.1 to
-# 0.19 itself asks for torch>=2.6, so one range serves them all.
-# megatron-core: what the patches' version guard accepts (patches/versions.py, MCORE_RANGE);
-# pip picks 0.16.x on Python 3.10/3.11 (0.17 and later require 3.12) and keeps an installed
-# release of the range as it is. A machine's exact pins are constraints-*.txt, not requirements.
-TORCH_RANGE = ">=2.11,<2.14"
+# torch: no upper bound, as megatron-core itself (torch>=2.6): no known break is named in a
+# newer release, and a bound would make pip replace a user's torch (and its CUDA) with ours.
+# The lower bound is the oldest torch the code ran on (2.11 on an H200; 2.13 and 2.14.1 on CPU
+# in CI), written 2.11.0a0 so that a container's pre-release build of it (2.11.0a0+git...)
+# is inside: pip keeps an installed pre-release that a range admits, and PyPI publishes no
+# torch pre-releases for it to pick instead (tests/test_install.py checks both with pip).
+# megatron-core: from the oldest release the patches support (patches/versions.py,
+# MCORE_RANGE), with no upper bound either: Megatron-LM main (0.20.0, pip install -e of a
+# checkout) and newer releases install beside us and run with a warning naming the newest
+# tested release (patches/cpu_gloo.check_megatron_core_version). pip picks 0.16.x on Python
+# 3.10/3.11 (0.17 and later require 3.12). A machine's exact pins are constraints-*.txt.
+TORCH_RANGE = ">=2.11.0a0"
 with open(os.path.join(HERE, "patches", "versions.py")) as handle:
     MCORE_RANGE = re.search(r'^MCORE_RANGE = "([^"]+)"', handle.read(), re.M).group(1)
 

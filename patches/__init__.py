@@ -4,22 +4,21 @@ Only relative imports here: this folder is importable both as ``paci_megatron.pa
 from a source checkout with the repo root on ``PYTHONPATH``, as ``patches``.
 """
 
-from .cpu_gloo import (
-    CPU_PATCHES,
-    MCORE_RANGE,
-    SUPPORTED_MCORE_VERSIONS,
+from .cpu_gloo import CPU_PATCHES, applied_cpu_patches, apply_cpu_patches
+from .release_check import (
     UnsupportedMegatronVersion,
-    applied_cpu_patches,
-    apply_cpu_patches,
+    UntestedMegatronVersion,
     check_megatron_core_version,
     installed_megatron_core_version,
 )
+from .versions import MCORE_RANGE, TESTED_MCORE_VERSIONS
 
 __all__ = [
     "CPU_PATCHES",
     "MCORE_RANGE",
-    "SUPPORTED_MCORE_VERSIONS",
+    "TESTED_MCORE_VERSIONS",
     "UnsupportedMegatronVersion",
+    "UntestedMegatronVersion",
     "applied_cpu_patches",
     "apply_cpu_patches",
     "check_megatron_core_version",

@@ -1,4 +1,4 @@
-"""Runtime patches that let stock Megatron-Core (0.16.1 to 0.19, ``versions.py``) run on CPU
+"""Runtime patches that let stock Megatron-Core (the releases of ``versions.py``) run on CPU
 with the gloo backend.
 
 Megatron-Core assumes CUDA in a few dozen places (``torch.cuda.current_device()``, literal
@@ -22,91 +22,19 @@ import functools
 import importlib
 import importlib.util
 import os
-import sys
 import types
-from typing import Callable, Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .versions import (MCORE_RANGE, NEWEST_TESTED, REFUSED, RELEASES, TESTED_MCORE_VERSIONS,
-                       tested_pairs)
-
-SUPPORTED_MCORE_VERSIONS = TESTED_MCORE_VERSIONS  # tested (the guard accepts MCORE_RANGE)
+from .release_check import check_megatron_core_version
 
 __all__ = [
-    "MCORE_RANGE",
-    "SUPPORTED_MCORE_VERSIONS",
-    "UnsupportedMegatronVersion",
-    "installed_megatron_core_version",
-    "check_megatron_core_version",
     "apply_cpu_patches",
     "applied_cpu_patches",
     "CPU_PATCHES",
 ]
-
-
-# --------------------------------------------------------------------------------------------
-# Version guard
-# --------------------------------------------------------------------------------------------
-
-
-class UnsupportedMegatronVersion(RuntimeError):
-    """The installed megatron-core is not one these patches were written and tested against."""
-
-
-def installed_megatron_core_version() -> Optional[str]:
-    """``megatron.core.package_info.__version__`` without importing ``megatron.core`` itself.
-
-    Returns None when megatron-core is not installed.
-    """
-    loaded = sys.modules.get("megatron.core.package_info")
-    if loaded is not None:
-        return loaded.__version__
-    spec = importlib.util.find_spec("megatron")  # a namespace package: importing it is free
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for root in spec.submodule_search_locations:
-        path = os.path.join(root, "core", "package_info.py")
-        if os.path.isfile(path):
-            file_spec = importlib.util.spec_from_file_location("_paci_mcore_package_info", path)
-            module = importlib.util.module_from_spec(file_spec)
-            file_spec.loader.exec_module(module)  # plain constants, no imports
-            return module.__version__
-    return None
-
-
-def check_megatron_core_version() -> str:
-    """Raise :class:`UnsupportedMegatronVersion` unless megatron-core is a supported version
-    (inside ``MCORE_RANGE`` and not refused by ``versions.REFUSED``)."""
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import InvalidVersion, Version
-
-    version = installed_megatron_core_version()
-    try:
-        supported = version is not None and SpecifierSet(MCORE_RANGE).contains(
-            Version(version), prereleases=False)  # a pre-release is not a tested release
-    except InvalidVersion:
-        supported = False
-    fix = _install_hint()
-    if version is not None and version in REFUSED:
-        raise UnsupportedMegatronVersion(
-            f"megatron-core {version} is installed, which paci_megatron refuses: "
-            f"{REFUSED[version]}. {fix}")
-    if not supported:
-        found = "not installed" if version is None else f"version {version} is installed"
-        raise UnsupportedMegatronVersion(
-            f"paci_megatron supports megatron-core {MCORE_RANGE} (tested: {tested_pairs()}), "
-            f"but megatron-core {found}. {fix}")
-    return version
-
-
-def _install_hint() -> str:
-    """The install line that fits this Python (megatron-core 0.17 and later need 3.12)."""
-    if sys.version_info < (3, 12):
-        return (f"Install a supported one: pip install megatron-core=={RELEASES[0].tested[-1]} "
-                "(megatron-core 0.17 and later need Python 3.12)")
-    return f"Install a supported one: pip install megatron-core=={NEWEST_TESTED}"
 
 
 # --------------------------------------------------------------------------------------------

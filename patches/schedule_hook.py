@@ -10,7 +10,7 @@ not Megatron's own, so ``1f1b`` stays stock.
 import sys
 from typing import Callable, List, Tuple
 
-from .cpu_gloo import check_megatron_core_version
+from .release_check import check_megatron_core_version
 
 # modules that hold a reference to get_forward_backward_func under that name
 _HOLDERS = (

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from typing import Dict, NamedTuple, Optional, Tuple
 
-# what the version guard accepts (and setup.py requires): every release of the rows below
-MCORE_RANGE = ">=0.16.1,<0.20"
+# what setup.py requires and the version guard admits: the oldest row below and anything
+# newer. A release newer than the newest row runs with one warning naming the newest tested
+# release (an API change the code detects stops it with an error naming the change).
+MCORE_RANGE = ">=0.16.1"
 
 
 class Release(NamedTuple):
@@ -23,6 +25,7 @@ class Release(NamedTuple):
     megatron_lm_tag: str       # the Megatron-LM tag the drop-in's tests ran on
     megatron_lm_commit: str    # that tag's commit
     python: str                # what the megatron-core wheels of this minor require
+    on_index: bool = True      # False: only as a Megatron-LM checkout (pip install -e)
 
 
 RELEASES: Tuple[Release, ...] = (
@@ -34,6 +37,9 @@ RELEASES: Tuple[Release, ...] = (
             ">=3.12"),
     Release("0.19", ("0.19.0", "0.19.2"), "core_v0.19.0",
             "5be9626709af2722333bf54797c954c09edeada3", ">=3.12"),
+    # Megatron-LM main as of 2026-08-22: megatron-core 0.20.0, not on the package index
+    Release("0.20", ("0.20.0",), "main", "d98e8a64ddf34856e74b24714e3bedb2f5a39553",
+            ">=3.12", on_index=False),
 )
 
 # releases inside MCORE_RANGE that are refused, with the reason the refusal gives
@@ -44,6 +50,8 @@ REFUSED: Dict[str, str] = {
 
 TESTED_MCORE_VERSIONS: Tuple[str, ...] = tuple(v for r in RELEASES for v in r.tested)
 NEWEST_TESTED = TESTED_MCORE_VERSIONS[-1]
+# the newest tested release pip can install (the install hints name it)
+NEWEST_ON_INDEX = [v for r in RELEASES if r.on_index for v in r.tested][-1]
 
 
 def minor_of(version: str) -> str:

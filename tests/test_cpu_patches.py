@@ -1,4 +1,4 @@
-"""CPU/gloo patches: version guard (unit) and stock Megatron-Core schedules under torchrun (dist).
+"""CPU/gloo patches: the guard runs before any patch (unit) and stock Megatron-Core schedules under torchrun (dist).
 
 Three torchrun launches (1, 2 and 4 processes) cover: stock 1F1B at PP=2 and PP=4 training with
 the same losses as no-pipelining PP=1 (same seed, layout-invariant init), tied embeddings at
@@ -15,9 +15,9 @@ import pytest
 from launch import REPO, results_by_case, run_torchrun
 
 try:
-    from paci_megatron.patches import cpu_gloo
+    from paci_megatron.patches import cpu_gloo, release_check, versions
 except ImportError:  # source checkout without setup.py install
-    from patches import cpu_gloo
+    from patches import cpu_gloo, release_check, versions
 
 WORKER = "tests/workers/stock_smoke.py"
 LAUNCH_TIMEOUT = 150
@@ -28,32 +28,12 @@ LAUNCH_TIMEOUT = 150
 # ------------------------------------------------------------------------------------------
 
 
-def test_supported_version_is_installed():
-    assert cpu_gloo.check_megatron_core_version() in cpu_gloo.SUPPORTED_MCORE_VERSIONS
-
-
-@pytest.mark.parametrize("fake", ["0.15.0", "0.17.0rc0"])
-def test_unsupported_version_raises_clearly(monkeypatch, fake):
-    monkeypatch.setattr(cpu_gloo, "installed_megatron_core_version", lambda: fake)
-    with pytest.raises(cpu_gloo.UnsupportedMegatronVersion) as err:
-        cpu_gloo.check_megatron_core_version()
-    message = str(err.value)
-    assert fake in message and "0.16.1" in message
-    assert isinstance(err.value, RuntimeError)
-
-
-def test_missing_megatron_raises_clearly(monkeypatch):
-    monkeypatch.setattr(cpu_gloo, "installed_megatron_core_version", lambda: None)
-    with pytest.raises(cpu_gloo.UnsupportedMegatronVersion, match="not installed"):
-        cpu_gloo.check_megatron_core_version()
-
-
 def test_apply_checks_version_before_patching(monkeypatch):
     if cpu_gloo.torch.cuda.is_available():
         pytest.skip("apply_cpu_patches is a no-op with CUDA")
-    monkeypatch.setattr(cpu_gloo, "installed_megatron_core_version", lambda: "0.15.0")
+    monkeypatch.setattr(release_check, "installed_megatron_core_version", lambda: "0.15.0")
     applied_before = cpu_gloo.applied_cpu_patches()
-    with pytest.raises(cpu_gloo.UnsupportedMegatronVersion):
+    with pytest.raises(release_check.UnsupportedMegatronVersion):
         cpu_gloo.apply_cpu_patches()
     assert cpu_gloo.applied_cpu_patches() == applied_before
 
@@ -69,7 +49,7 @@ def test_version_read_is_light_and_both_import_names_work():
         "assert v == patches.check_megatron_core_version()\n"
         "try:\n"
         "    import paci_megatron.patches as p2\n"
-        "    assert p2.SUPPORTED_MCORE_VERSIONS == patches.SUPPORTED_MCORE_VERSIONS\n"
+        "    assert p2.TESTED_MCORE_VERSIONS == patches.TESTED_MCORE_VERSIONS\n"
         "except ModuleNotFoundError:\n"
         "    pass\n"
         "print(v)\n" % REPO
@@ -77,7 +57,7 @@ def test_version_read_is_light_and_both_import_names_work():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() in cpu_gloo.SUPPORTED_MCORE_VERSIONS
+    assert out.stdout.strip() in versions.TESTED_MCORE_VERSIONS
 
 
 _APPLY_CHECK = r"""

@@ -5,9 +5,12 @@ live in constraints-cpu.txt."""
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 
+import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
@@ -24,24 +27,98 @@ def _requirements():
 
 
 def test_torch_and_megatron_core_are_ranges_the_code_supports():
-    from paci_megatron.patches import cpu_gloo
+    from paci_megatron.patches import versions
 
     reqs = _requirements()
     torch, mcore = reqs["torch"].specifier, reqs["megatron-core"].specifier
     assert not any(spec.operator == "==" for r in reqs.values() for spec in r.specifier)
-    for tested in ("2.11.0", "2.12.1", "2.13.0"):
-        assert Version(tested) in torch
-    assert Version("2.14.0") not in torch and Version("2.10.0") not in torch
-    assert str(mcore) == str(Requirement("x" + cpu_gloo.MCORE_RANGE).specifier)
-    assert all(Version(v) in mcore for v in cpu_gloo.SUPPORTED_MCORE_VERSIONS)
+    # no upper bound on either: a newer torch or Megatron is the user's to bring
+    assert not any(spec.operator in ("<", "<=", "~=", "===") for spec in (*torch, *mcore))
+    for tested in ("2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0", "3.0.0"):
+        assert torch.contains(Version(tested))
+    for container in ("2.11.0a0+git1234567", "2.15.0a0+79aa17489c.nv26.10"):
+        assert torch.contains(Version(container), prereleases=True)  # as pip reads installed
+    assert not torch.contains(Version("2.10.0"))
+    assert str(mcore) == str(Requirement("x" + versions.MCORE_RANGE).specifier)
+    assert all(Version(v) in mcore for v in versions.TESTED_MCORE_VERSIONS + ("0.21.0",))
+    assert not mcore.contains(Version("0.16.0"))
     pins = open(os.path.join(REPO, "constraints-cpu.txt")).read()
     assert re.search(r"^torch==2\.13\.0$", pins, re.M)
+    pins = open(os.path.join(REPO, "constraints-py312.txt")).read()
+    assert re.search(r"^torch==2\.14\.1$", pins, re.M)
+    assert re.search(r"^megatron-core==0\.19\.2$", pins, re.M)
 
 
-def test_installing_keeps_the_torch_and_megatron_core_already_there(tmp_path):
-    report = tmp_path / "report.json"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--quiet",
-                    "--no-build-isolation", "--report", str(report), "-e", REPO],
-                   cwd=REPO, check=True, timeout=300, capture_output=True)
-    planned = {item["metadata"]["name"] for item in json.loads(report.read_text())["install"]}
-    assert planned == {"paci-megatron"}, planned
+def _planned_installs(python, *extra):
+    """What ``pip install -e REPO`` would install there (a dry run, nothing from an index)."""
+    with tempfile.TemporaryDirectory() as folder:
+        report = os.path.join(folder, "report.json")
+        proc = subprocess.run([python, "-m", "pip", "install", "--dry-run", "--quiet",
+                               "--no-build-isolation", "--report", report, *extra, "-e", REPO],
+                              cwd=REPO, timeout=300, capture_output=True, text=True,
+                              env=_env_without_pip_config() if extra else None)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        with open(report) as handle:
+            return {item["metadata"]["name"]: item["metadata"]["version"]
+                    for item in json.load(handle)["install"]}
+
+
+def _env_without_pip_config():
+    """No pip configuration: neither this machine's cap on torch nor its local wheels."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env["PIP_CONFIG_FILE"] = os.devnull
+    return env
+
+
+def test_installing_keeps_the_torch_and_megatron_core_already_there():
+    assert set(_planned_installs(sys.executable)) == {"paci-megatron"}
+
+
+def _stand_in(site, name, version):
+    """A metadata-only installed distribution (what pip reads of an installed package)."""
+    info = os.path.join(site, f"{name.replace('-', '_')}-{version}.dist-info")
+    os.makedirs(info)
+    with open(os.path.join(info, "METADATA"), "w") as handle:
+        handle.write(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    open(os.path.join(info, "INSTALLER"), "w").write("pip\n")
+    open(os.path.join(info, "RECORD"), "w").write("")
+
+
+@pytest.fixture(scope="module")
+def bare_venv(tmp_path_factory):
+    """A virtual environment of this Python whose own packages come first: stand-ins put there
+    shadow this environment's (pip reads the first of a name on the path), whose setuptools
+    builds the editable metadata."""
+    root = tmp_path_factory.mktemp("venv")
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(root)],
+                   check=True, timeout=300)
+    python = str(root / "bin" / "python")
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()"
+                           "['purelib'])"], check=True, capture_output=True, text=True,
+                          timeout=60).stdout.strip()
+    return python, site
+
+
+@pytest.mark.parametrize("torch_version,mcore_version", [
+    ("2.14.1", "0.19.2"),                       # the newest stack CI leg 2 installs
+    ("2.15.0", "0.19.2"),                       # a release newer than any tested
+    ("2.15.0a0+79aa17489c.nv26.10", "0.20.0"),  # a container's build, with Megatron-LM main
+    ("2.11.0a0+git1234567", "0.16.1"),          # an older container's build
+])
+def test_installing_beside_a_users_torch_and_megatron_core_keeps_both(bare_venv, torch_version,
+                                                                      mcore_version):
+    """Metadata-only stand-ins of the user's torch and megatron-core (and of the other
+    requirements, so that nothing needs an index): pip plans to install this package alone,
+    with no index, no local wheels and no machine cap in play."""
+    python, site = bare_venv
+    stand_ins = {"torch": torch_version, "megatron-core": mcore_version, "numpy": "2.4.6",
+                 "packaging": "25.0", "psutil": "7.1.0", "sentencepiece": "0.2.1"}
+    for name, version in stand_ins.items():
+        _stand_in(site, name, version)
+    try:
+        planned = _planned_installs(python, "--no-index")
+    finally:
+        for entry in os.listdir(site):
+            if any(entry.startswith(n.replace("-", "_") + "-") for n in stand_ins):
+                shutil.rmtree(os.path.join(site, entry))
+    assert set(planned) == {"paci-megatron"}, planned

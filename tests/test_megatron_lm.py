@@ -26,7 +26,7 @@ import pytest
 from launch import REPO, kill_tree, megatron_lm_args, run_torchrun, same_tensors
 
 from paci_megatron import run as paci_run
-from paci_megatron.patches import cpu_gloo, megatron_lm, versions
+from paci_megatron.patches import megatron_lm, release_check, versions
 
 class Checkout(NamedTuple):
     """One MEGATRON_LM_PATH entry: a Megatron-LM checkout and the megatron-core it runs with."""
@@ -45,7 +45,7 @@ class Checkout(NamedTuple):
 
     def mcore_version(self) -> Optional[str]:
         if not self.site:
-            return cpu_gloo.installed_megatron_core_version()
+            return release_check.installed_megatron_core_version()
         return megatron_lm.megatron_lm_checkout_version(self.site)  # same file, same fields
 
 
@@ -562,7 +562,7 @@ def test_a_bad_megatron_lm_flag_prints_one_error_line_once(checkout, tmp_path):
 # what each release's pretrain_gpt.py imports at start-up from the [megatron-lm] extra (its
 # union); tensorboard is there for --tensorboard-dir
 STARTUP_IMPORTS = {"0.16": ("six", "regex", "pyyaml", "pydantic"), "0.17": ("pyyaml",),
-                   "0.18": ("pyyaml",), "0.19": ()}
+                   "0.18": ("pyyaml",), "0.19": (), "0.20": ()}
 
 
 @pytest.mark.parametrize("without,module", [

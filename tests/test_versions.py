@@ -7,18 +7,20 @@ suite: 0.16.1 on Python 3.11; the second CI leg: 0.19.x on Python 3.12)."""
 import inspect
 import sys
 import types
+import warnings
 
 import pytest
 import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from paci_megatron.patches import cpu_gloo, megatron_lm, versions
+from paci_megatron.patches import cpu_gloo, megatron_lm, release_check, versions
 
 
 def _guard(monkeypatch, fake):
-    monkeypatch.setattr(cpu_gloo, "installed_megatron_core_version", lambda: fake)
-    return cpu_gloo.check_megatron_core_version()
+    monkeypatch.setattr(release_check, "installed_megatron_core_version", lambda: fake)
+    monkeypatch.setattr(release_check, "_WARNED", set())
+    return release_check.check_megatron_core_version()
 
 
 # --- the table and the guard ------------------------------------------------------------------
@@ -26,50 +28,81 @@ def _guard(monkeypatch, fake):
 def test_the_table_is_inside_the_range_and_ordered():
     spec = SpecifierSet(versions.MCORE_RANGE)
     assert all(Version(v) in spec for v in versions.TESTED_MCORE_VERSIONS)
-    assert [r.minor for r in versions.RELEASES] == ["0.16", "0.17", "0.18", "0.19"]
+    assert [r.minor for r in versions.RELEASES] == ["0.16", "0.17", "0.18", "0.19", "0.20"]
     assert all(versions.minor_of(v) == r.minor for r in versions.RELEASES for v in r.tested)
-    assert all(r.megatron_lm_tag.startswith(f"core_v{r.minor}.") for r in versions.RELEASES)
+    tags = [r.megatron_lm_tag for r in versions.RELEASES]
+    assert all(t.startswith(f"core_v{r.minor}.") for t, r in zip(tags[:-1], versions.RELEASES))
+    assert tags[-1] == "main" and not versions.RELEASES[-1].on_index
     assert all(len(r.megatron_lm_commit) == 40 for r in versions.RELEASES)
-    assert versions.NEWEST_TESTED == "0.19.2"
+    assert versions.NEWEST_TESTED == "0.20.0" and versions.NEWEST_ON_INDEX == "0.19.2"
+
+
+def test_the_table_names_the_commits_of_the_shared_sources():
+    """Each row's commit is the one ../shared/megatron-lm/README.md names for its folder."""
+    import os
+    import re
+
+    readme = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "megatron-lm",
+                          "README.md")
+    if not os.path.isfile(readme):
+        pytest.skip("no ../shared/megatron-lm")
+    named = dict(re.findall(r"^\| `([^`]+)` \| `([0-9a-f]{40})` \|", open(readme).read(), re.M))
+    assert {r.megatron_lm_tag: r.megatron_lm_commit for r in versions.RELEASES} == named
 
 
 @pytest.mark.parametrize("version", ["0.16.1", "0.16.2", "0.17.0", "0.17.1", "0.18.0", "0.18.2",
-                                     "0.19.0", "0.19.2", "0.19.7"])
-def test_every_release_of_the_range_is_accepted(monkeypatch, version):
-    assert _guard(monkeypatch, version) == version
+                                     "0.19.0", "0.19.2", "0.19.7", "0.20.0"])
+def test_every_release_of_a_tested_minor_runs_without_a_warning(monkeypatch, version):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _guard(monkeypatch, version) == version
 
 
-@pytest.mark.parametrize("version", ["0.15.3", "0.16.0", "0.20.0", "0.20.0rc0", "0.19.3rc1",
-                                     "1.0.0", "not-a-version"])
-def test_outside_the_range_is_refused_naming_the_range_and_the_tested_pairs(monkeypatch, version):
-    with pytest.raises(cpu_gloo.UnsupportedMegatronVersion) as err:
+@pytest.mark.parametrize("version", ["0.21.0", "0.20.1rc0", "0.19.3rc1", "1.0.0"])
+def test_a_newer_or_pre_release_runs_with_one_warning_naming_the_newest_tested(monkeypatch,
+                                                                                version):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _guard(monkeypatch, version) == version
+        assert release_check.check_megatron_core_version() == version  # once a process
+    assert len(caught) == 1 and caught[0].category is release_check.UntestedMegatronVersion
+    message = str(caught[0].message)
+    assert version in message and versions.NEWEST_TESTED in message
+    assert versions.RELEASES[-1].megatron_lm_commit[:12] in message
+
+
+@pytest.mark.parametrize("version", ["0.15.3", "0.16.0", "0.16.1rc0", "not-a-version", None])
+def test_older_unreadable_or_missing_is_refused_naming_the_range_and_the_tested_pairs(
+        monkeypatch, version):
+    with pytest.raises(release_check.UnsupportedMegatronVersion) as err:
         _guard(monkeypatch, version)
     message = str(err.value)
-    assert version in message and versions.MCORE_RANGE in message
+    assert (version or "not installed") in message and versions.MCORE_RANGE in message
     assert all(r.megatron_lm_tag in message for r in versions.RELEASES)
     assert "pip install megatron-core==" in message
+    assert isinstance(err.value, RuntimeError)
 
 
 @pytest.mark.parametrize("version", sorted(versions.REFUSED))
 def test_a_yanked_release_is_refused_with_its_reason(monkeypatch, version):
-    with pytest.raises(cpu_gloo.UnsupportedMegatronVersion) as err:
+    with pytest.raises(release_check.UnsupportedMegatronVersion) as err:
         _guard(monkeypatch, version)
     assert f"megatron-core {version} is installed" in str(err.value)
     assert "yanked" in str(err.value)
 
 
-def test_the_fix_fits_this_python(monkeypatch):
-    with pytest.raises(cpu_gloo.UnsupportedMegatronVersion) as err:
+def test_the_fix_fits_this_python_and_names_a_release_pip_can_install(monkeypatch):
+    with pytest.raises(release_check.UnsupportedMegatronVersion) as err:
         _guard(monkeypatch, "0.15.0")
     if sys.version_info < (3, 12):
         assert "pip install megatron-core==0.16.1" in str(err.value)
         assert "need Python 3.12" in str(err.value)
     else:
-        assert f"pip install megatron-core=={versions.NEWEST_TESTED}" in str(err.value)
+        assert "pip install megatron-core==0.19.2" in str(err.value)
 
 
 def test_the_installed_release_is_a_tested_one():
-    assert cpu_gloo.check_megatron_core_version() in versions.TESTED_MCORE_VERSIONS
+    assert release_check.check_megatron_core_version() in versions.TESTED_MCORE_VERSIONS
 
 
 # --- backward_step: one adapter for both signatures -----------------------------------------------
@@ -81,7 +114,7 @@ def test_the_adapter_follows_the_installed_signature():
 
     params = list(inspect.signature(schedules.backward_step).parameters)
     assert compat.BACKWARD_STEP_TAKES_MODEL_TYPE == ("model_type" in params)
-    minor = versions.minor_of(cpu_gloo.installed_megatron_core_version())
+    minor = versions.minor_of(release_check.installed_megatron_core_version())
     assert compat.BACKWARD_STEP_TAKES_MODEL_TYPE == (minor == "0.16")
 
 
@@ -157,8 +190,10 @@ def test_the_hook_takes_019s_schedule_pg_collection_and_refuses_a_multi_module_o
     ("0.19.1", "0.19.2", None),  # the tag core_v0.19.0 reads 0.19.1
     ("0.19.0", "0.16.1", "needs the megatron-core of its own minor release"),
     ("0.17.1", "0.19.2", "needs the megatron-core of its own minor release"),
+    ("0.20.0", "0.20.0", None),  # Megatron-LM main with its own megatron-core
+    ("0.21.0", "0.21.0", None),  # newer: runs (the megatron-core guard warns)
+    ("0.20.0", "0.19.2", "pip install --no-deps of it"),
     ("0.15.0", "0.16.1", "supports the tested pairs"),
-    ("0.20.0rc0", "0.19.2", "supports the tested pairs"),
 ])
 def test_a_checkout_pairs_with_the_megatron_core_of_its_release(checkout, mcore, refused):
     from paci_megatron.patches.megatron_lm import version
@@ -204,7 +239,7 @@ def test_grad_norm_groups_patch_only_where_the_release_has_them():
     from megatron.core.optimizer.optimizer import MegatronOptimizer
 
     has = "has_grad_norm_group" in MegatronOptimizer.__dict__
-    minor = versions.minor_of(cpu_gloo.installed_megatron_core_version())
+    minor = versions.minor_of(release_check.installed_megatron_core_version())
     assert has == (minor == "0.19")
     if torch.cuda.is_available():
         pytest.skip("the CPU patches are a no-op with CUDA")

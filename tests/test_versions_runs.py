@@ -14,10 +14,10 @@ import pytest
 import test_reference as reference
 from launch import run_torchrun
 
-from paci_megatron.patches import cpu_gloo, versions
+from paci_megatron.patches import release_check, versions
 
 pytestmark = [pytest.mark.dist, pytest.mark.skipif(
-    versions.minor_of(cpu_gloo.installed_megatron_core_version() or "") == "0.16",
+    versions.minor_of(release_check.installed_megatron_core_version() or "") == "0.16",
     reason="on megatron-core 0.16 tests/test_reference.py runs every case (the default suite)")]
 
 P2 = ["p2_a4", "p2_tied"]

@@ -12,7 +12,7 @@ import os
 import sys
 import types
 
-from ..cpu_gloo import check_megatron_core_version
+from ..release_check import check_megatron_core_version
 from .version import UnsupportedMegatronLM, _refuse_missing_package
 
 

@@ -12,7 +12,7 @@ import os
 import re
 from typing import Dict, List, Optional, Tuple
 
-from ..cpu_gloo import UnsupportedMegatronVersion, check_megatron_core_version
+from ..release_check import UnsupportedMegatronVersion, check_megatron_core_version
 from ..versions import MCORE_RANGE, RELEASES, minor_of, release_of, tested_pairs
 
 SUPPORTED_MEGATRON_LM_VERSIONS = tuple(r.megatron_lm_tag[len("core_v"):] for r in RELEASES)
@@ -138,10 +138,10 @@ def check_megatron_lm() -> Dict[str, str]:
 
 
 def _check_pair(root: str, checkout: str, mcore: str) -> None:
-    """A checkout inside the supported range whose minor release is the installed
-    megatron-core's (Megatron-LM's training code calls megatron-core internals of its own
-    release). By minor, as for megatron-core: the tag core_v0.19.0's package_info.py already
-    reads 0.19.1."""
+    """A checkout of a supported release (a tested one, or a newer one, which the megatron-core
+    guard warns about) whose minor release is the installed megatron-core's (Megatron-LM's
+    training code calls megatron-core internals of its own release). By minor, as for
+    megatron-core: the tag core_v0.19.0's package_info.py already reads 0.19.1."""
     from packaging.specifiers import SpecifierSet
     from packaging.version import InvalidVersion, Version
 
@@ -149,18 +149,21 @@ def _check_pair(root: str, checkout: str, mcore: str) -> None:
         inside = SpecifierSet(MCORE_RANGE).contains(Version(checkout), prereleases=True)
     except InvalidVersion:
         inside = False
-    release = release_of(checkout)
-    if release is None or not inside:
+    if not inside:
         raise UnsupportedMegatronLM(
             f"the Megatron-LM checkout at {root} is version {checkout}; paci_megatron.run "
             f"supports {_supported()}. Check out one of those tags (git checkout "
             f"{RELEASES[-1].megatron_lm_tag}).")
     if minor_of(checkout) != minor_of(mcore):
+        mine = release_of(checkout)
+        install = (f"Install megatron-core=={mine.tested[-1]}" if mine and mine.on_index else
+                   "Install that checkout's own megatron-core (pip install --no-deps of it)")
+        theirs = release_of(mcore)
+        other = f", or check out {theirs.megatron_lm_tag}" if theirs else ""
         raise UnsupportedMegatronLM(
             f"the Megatron-LM checkout at {root} is version {checkout}, but megatron-core "
             f"{mcore} is installed: Megatron-LM's training code needs the megatron-core of its "
-            f"own minor release. Install megatron-core=={release.tested[-1]}, or check out "
-            f"{release_of(mcore).megatron_lm_tag}.")
+            f"own minor release. {install}{other}.")
 
 
 def _refuse_missing_package(exc: ModuleNotFoundError) -> None:
