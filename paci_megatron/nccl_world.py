@@ -7,14 +7,22 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from dataclasses import dataclass
-from typing import (TYPE_CHECKING, Callable, Deque, Dict, FrozenSet, Hashable, List, Optional,
+from typing import (Callable, Deque, Dict, FrozenSet, Hashable, List, Optional, Protocol,
                     Sequence, Tuple)
 
 from .lockstep import DeadlockError, Event, ScheduleError
 from .schedule import SEND_OPS, TIED_OPS, Action, channel, peer
 
-if TYPE_CHECKING:
-    from .nccl_model import NcclModel
+
+
+class CommSettings(Protocol):
+    """What the world reads of the rules (``nccl_model.NcclModel`` has them): named here so
+    that the world, below the rules, does not import them."""
+
+    warmed: bool
+    eager: bool
+    batched: bool
+    tied_groups: int
 
 
 @dataclass(frozen=True)
@@ -98,7 +106,7 @@ class NcclWorld:
     """Each rank's compute stream and communicator streams, their kernels and matching, and
     the first uses its hosts meet at."""
 
-    def __init__(self, model: NcclModel, comm_latency: float,
+    def __init__(self, model: CommSettings, comm_latency: float,
                  costs: Callable[[Hashable, Action], float] = lambda rank, action: 0.0):
         self.model, self.latency, self.cost = model, comm_latency, costs
         self.compute: Dict[Hashable, Deque[Tuple[float, object]]] = defaultdict(deque)
@@ -309,7 +317,7 @@ class PipelineComms:
     """The communicators one pipeline's actions use under ``model``; ``rank`` maps a stage to
     its rank, ``suffix`` names the pipeline's groups apart (the warm-up's grid)."""
 
-    def __init__(self, num_stages: int, model: NcclModel,
+    def __init__(self, num_stages: int, model: CommSettings,
                  rank: Callable[[int], Hashable] = lambda s: s, suffix: str = "",
                  world: Optional[FrozenSet[Hashable]] = None):
         self.num_stages, self.model, self.rank, self.suffix = num_stages, model, rank, suffix

@@ -6,9 +6,9 @@ Megatron-Core assumes CUDA in a few dozen places (``torch.cuda.current_device()`
 Each patch below fixes one of them, as narrowly as possible:
 
 * module-level references are redirected (a module's global ``torch`` is replaced by a
-  :class:`_CpuTorch` stand-in that maps ``"cuda"`` devices to the CPU and makes
+  :class:`CpuTorch` stand-in that maps ``"cuda"`` devices to the CPU and makes
   ``torch.cuda.current_device``/``synchronize`` CPU-safe) so the hot paths pay nothing;
-* a ``TorchFunctionMode`` (:class:`_CudaAsCpuMode`) is used only around calls that run once
+* a ``TorchFunctionMode`` (:class:`CudaAsCpuMode`) is used only around calls that run once
   (model/optimizer construction) or that check tensor types (gradient clipping).
 
 ``apply_cpu_patches()`` is idempotent and does nothing when CUDA is available. Nothing here
@@ -22,12 +22,11 @@ import functools
 import importlib
 import importlib.util
 import os
-import types
 from typing import Callable, Dict, Iterable, List
 
 import torch
-from torch.overrides import TorchFunctionMode
 
+from .cpu_stand_ins import CpuTorch, redirect_torch, run_as_cpu
 from .release_check import check_megatron_core_version
 
 __all__ = [
@@ -38,171 +37,38 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------------------------
-# Tools: a per-module `torch` stand-in, and a scoped TorchFunctionMode
-# --------------------------------------------------------------------------------------------
-
-
-def _is_cuda_device(device) -> bool:
-    if isinstance(device, torch.device):
-        return device.type == "cuda"
-    if isinstance(device, str):
-        return device.startswith("cuda")
-    return False
-
-
-def _cpu_factory(fn: Callable) -> Callable:
-    @functools.wraps(fn)
-    def factory(*args, **kwargs):
-        if _is_cuda_device(kwargs.get("device")):
-            kwargs["device"] = "cpu"
-        return fn(*args, **kwargs)
-
-    return factory
-
-
-class _CpuStream:
-    """A CUDA stream on CPU: work is already ordered, there is nothing to wait for."""
-
-    def wait_stream(self, stream):
-        return None
-
-    def wait_event(self, event):
-        return None
-
-    def synchronize(self):
-        return None
-
-
-class _CpuCuda:
-    """Stands in for ``torch.cuda`` inside one module: CPU-safe current_device/synchronize,
-    and a no-op current stream (megatron-core 0.19's grad buffers wait on it for CUDA-graph
-    events before each reduction)."""
-
-    def __getattr__(self, name):
-        return getattr(torch.cuda, name)
-
-    @staticmethod
-    def current_device():
-        return torch.device("cpu")
-
-    @staticmethod
-    def synchronize(device=None):
-        return None
-
-    @staticmethod
-    def current_stream(device=None):
-        return _CpuStream()
-
-
-class _CpuTorch(types.ModuleType):
-    """Stands in for the ``torch`` module inside one Megatron module (see ``_redirect_torch``).
-
-    A module object (not a plain instance) so that torch.compile'd functions of that module
-    still trace it like ``torch`` itself."""
-
-    _FACTORIES = ("zeros", "ones", "empty", "full", "tensor")
-
-    _paci_cpu_torch = True  # marker (checked by name: this file may be loaded twice)
-
-    def __init__(self):
-        super().__init__("torch")
-        self.cuda = _CpuCuda()
-        for name in self._FACTORIES:
-            setattr(self, name, _cpu_factory(getattr(torch, name)))
-
-    def __getattr__(self, name):
-        value = getattr(torch, name)
-        setattr(self, name, value)  # cache: later lookups are plain attribute hits
-        return value
-
-
-def _redirect_torch(module_name: str, factory: Callable[[], "_CpuTorch"] = None) -> bool:
-    """Point ``module_name``'s global ``torch`` at a :class:`_CpuTorch` (or what ``factory``
-    makes, a subclass); False if already done."""
-    module = importlib.import_module(module_name)
-    if getattr(module.torch, "_paci_cpu_torch", False):
-        return False
-    module.torch = (factory or _CpuTorch)()
-    return True
-
-
-_CUDA_TYPE_NAMES = {
-    torch.float32: "torch.cuda.FloatTensor",
-    torch.float16: "torch.cuda.HalfTensor",
-    torch.bfloat16: "torch.cuda.BFloat16Tensor",
-}
-
-
-class _CudaAsCpuMode(TorchFunctionMode):
-    """While active: ``device='cuda'`` means CPU, ``Tensor.cuda()`` is a no-op and
-    ``Tensor.type()`` reports the CUDA type name. Only used around rarely-called functions."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = _CUDA_TYPE_NAMES.get(args[0].dtype)
-            if name is not None and args[0].device.type == "cpu":
-                return name
-        if _is_cuda_device(kwargs.get("device")):
-            kwargs["device"] = "cpu"
-        return func(*args, **kwargs)
-
-
-def _run_under(mode: type, marker: str, fn: Callable) -> Callable:
-    """Wrap ``fn`` so that it runs under the TorchFunctionMode ``mode``; ``marker``, set on the
-    wrapper, keeps a second patch from wrapping it twice."""
-    if getattr(fn, marker, False):
-        return fn
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with mode():
-            return fn(*args, **kwargs)
-
-    setattr(wrapper, marker, True)
-    return wrapper
-
-
-def _run_as_cpu(fn: Callable) -> Callable:
-    """Wrap ``fn`` so that it runs under :class:`_CudaAsCpuMode`."""
-    return _run_under(_CudaAsCpuMode, "_paci_cpu_wrapped", fn)
-
-
-# --------------------------------------------------------------------------------------------
 # The patches
 # --------------------------------------------------------------------------------------------
 
 
 def patch_p2p_communication():
     """p2p_communication.py: buffers on torch.cuda.current_device(); torch.cuda.synchronize()."""
-    return _redirect_torch("megatron.core.pipeline_parallel.p2p_communication")
+    return redirect_torch("megatron.core.pipeline_parallel.p2p_communication")
 
 
 def patch_schedules_token_count():
     """schedules.py: all three schedules allocate total_num_tokens with device="cuda"."""
-    return _redirect_torch("megatron.core.pipeline_parallel.schedules")
+    return redirect_torch("megatron.core.pipeline_parallel.schedules")
 
 
 def patch_ddp_buffers():
     """param_and_grad_buffer.py: DDP grad/param buffers on torch.cuda.current_device()."""
-    return _redirect_torch("megatron.core.distributed.param_and_grad_buffer")
+    return redirect_torch("megatron.core.distributed.param_and_grad_buffer")
 
 
 def patch_causal_mask():
     """transformer/utils.py: get_default_causal_mask (attention_mask=None) uses device="cuda"."""
-    return _redirect_torch("megatron.core.transformer.utils")
+    return redirect_torch("megatron.core.transformer.utils")
 
 
 def patch_global_memory_buffer():
     """core/utils.py: GlobalMemoryBuffer (attention scores) on torch.cuda.current_device()."""
-    return _redirect_torch("megatron.core.utils")
+    return redirect_torch("megatron.core.utils")
 
 
 def patch_rotary_embedding():
     """rotary_pos_embedding.py: RoPE moves inv_freq to torch.cuda.current_device() on first use."""
-    return _redirect_torch("megatron.core.models.common.embeddings.rotary_pos_embedding")
+    return redirect_torch("megatron.core.models.common.embeddings.rotary_pos_embedding")
 
 
 def patch_rng_tracker():
@@ -277,7 +143,7 @@ def patch_tied_embeddings():
     fn = LanguageModule.setup_embeddings_and_output_layer
     if getattr(fn, "_paci_cpu_wrapped", False):
         return False
-    LanguageModule.setup_embeddings_and_output_layer = _run_as_cpu(fn)
+    LanguageModule.setup_embeddings_and_output_layer = run_as_cpu(fn)
     return True
 
 
@@ -290,7 +156,7 @@ def patch_optimizer_construction():
     for cls in (FP32Optimizer, Float16OptimizerWithFloat16Params, DistributedOptimizer):
         init = cls.__dict__["__init__"]
         if not getattr(init, "_paci_cpu_wrapped", False):
-            cls.__init__ = _run_as_cpu(init)  # runs once per optimizer: the mode costs nothing
+            cls.__init__ = run_as_cpu(init)  # runs once per optimizer: the mode costs nothing
             changed = True
     return changed
 
@@ -303,7 +169,7 @@ def patch_grad_norm_groups():
     fn = MegatronOptimizer.__dict__.get("has_grad_norm_group")
     if fn is None or getattr(fn, "_paci_cpu_wrapped", False):
         return False
-    MegatronOptimizer.has_grad_norm_group = _run_as_cpu(fn)  # runs once per group
+    MegatronOptimizer.has_grad_norm_group = run_as_cpu(fn)  # runs once per group
     return True
 
 
@@ -312,10 +178,10 @@ def patch_clip_grads():
     from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer import optimizer as mcore_opt
 
-    changed = _redirect_torch("megatron.core.optimizer.clip_grads")
+    changed = redirect_torch("megatron.core.optimizer.clip_grads")
     fn = clip_grads.clip_grad_by_total_norm_fp32
     if not getattr(fn, "_paci_cpu_wrapped", False):
-        wrapped = _run_as_cpu(fn)
+        wrapped = run_as_cpu(fn)
         clip_grads.clip_grad_by_total_norm_fp32 = wrapped
         mcore_opt.clip_grad_by_total_norm_fp32 = wrapped
         changed = True
@@ -328,7 +194,7 @@ def patch_dist_checkpointing():
     async_utils.py)."""
     changed = False
     for name in ("filesystem_async", "state_dict_saver", "async_utils"):
-        changed |= _redirect_torch(f"megatron.core.dist_checkpointing.strategies.{name}")
+        changed |= redirect_torch(f"megatron.core.dist_checkpointing.strategies.{name}")
     return changed
 
 
@@ -337,10 +203,10 @@ def patch_grad_scaler():
     tensors on device='cuda'; a loaded scale is moved with ``.cuda(current_device())``."""
     from megatron.core.optimizer.grad_scaler import DynamicGradScaler
 
-    changed = _redirect_torch("megatron.core.optimizer.grad_scaler")
+    changed = redirect_torch("megatron.core.optimizer.grad_scaler")
     load = DynamicGradScaler.__dict__["load_state_dict"]
     if not getattr(load, "_paci_cpu_wrapped", False):
-        DynamicGradScaler.load_state_dict = _run_as_cpu(load)  # once per checkpoint load
+        DynamicGradScaler.load_state_dict = run_as_cpu(load)  # once per checkpoint load
         changed = True
     return changed
 
@@ -355,7 +221,7 @@ class _FusedAdamOptim:
     AdamW = functools.partial(torch.optim.AdamW, fused=True)
 
 
-class _FusedAdamTorch(_CpuTorch):
+class _FusedAdamTorch(CpuTorch):
     _paci_fused_adam = True
 
     def __init__(self):

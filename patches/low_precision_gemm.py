@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .cpu_gloo import _CpuTorch, _redirect_torch, _run_under
+from .cpu_stand_ins import CpuTorch, redirect_torch, run_under
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -44,7 +44,7 @@ class _Fp32GemmMode(TorchFunctionMode):
 
 
 def _in_fp32_gemm_mode(fn: Callable) -> Callable:
-    return _run_under(_Fp32GemmMode, "_paci_fp32_gemm", fn)
+    return run_under(_Fp32GemmMode, "_paci_fp32_gemm", fn)
 
 
 class _Fp32Bmm(torch.autograd.Function):
@@ -67,7 +67,7 @@ class _Fp32Bmm(torch.autograd.Function):
         return da, db, None
 
 
-class _Fp32BmmTorch(_CpuTorch):
+class _Fp32BmmTorch(CpuTorch):
     """``torch`` for dot_product_attention.py: its two batched GEMMs (scores with beta = 0,
     context) through :class:`_Fp32Bmm`, whose backward native autograd would otherwise run
     on the slow bf16 path."""
@@ -99,7 +99,7 @@ def patch_low_precision_gemm():
     from megatron.core.tensor_parallel import layers
 
     fn = layers.LinearWithGradAccumulationAndAsyncCommunication
-    changed = _redirect_torch("megatron.core.transformer.dot_product_attention", _Fp32BmmTorch)
+    changed = redirect_torch("megatron.core.transformer.dot_product_attention", _Fp32BmmTorch)
     for name in ("forward", "backward"):
         impl = fn.__dict__[name].__func__  # the marker is on the function, not its staticmethod
         if not getattr(impl, "_paci_fp32_gemm", False):

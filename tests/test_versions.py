@@ -14,7 +14,7 @@ import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from paci_megatron.patches import cpu_gloo, megatron_lm, release_check, versions
+from paci_megatron.patches import cpu_gloo, cpu_stand_ins, megatron_lm, release_check, versions
 
 
 def _guard(monkeypatch, fake):
@@ -229,7 +229,7 @@ def test_a_patched_function_must_keep_the_parameters_its_patch_uses():
 # --- CPU patches that newer releases need ------------------------------------------------------------
 
 def test_the_cpu_stand_in_has_a_current_stream_that_waits_for_nothing():
-    cuda = cpu_gloo._CpuCuda()
+    cuda = cpu_stand_ins.CpuCuda()
     stream = cuda.current_stream()
     assert stream.wait_event(object()) is None and stream.wait_stream(stream) is None
     assert cuda.current_device() == torch.device("cpu")

@@ -11,12 +11,12 @@ from typing import Callable, Dict, List
 
 import torch
 
-from ..cpu_gloo import (_CpuCuda, _CpuStream, _CpuTorch, _redirect_torch, _run_as_cpu,
-                        apply_cpu_patches)
+from ..cpu_gloo import apply_cpu_patches
+from ..cpu_stand_ins import CpuCuda, CpuStream, CpuTorch, redirect_torch, run_as_cpu
 from .version import _replace, _resolve
 
 
-class _OneCpuDevice(_CpuCuda):
+class _OneCpuDevice(CpuCuda):
     """``torch.cuda`` inside ``megatron/training/initialize.py`` on a CPU-only machine: it
     reports one device so that Megatron-LM takes its normal path (model-parallel groups, the
     model-parallel RNG tracker, which megatron-core's CPU patches back with CPU generators);
@@ -31,7 +31,7 @@ class _OneCpuDevice(_CpuCuda):
         return None
 
 
-class _InitializeTorch(_CpuTorch):
+class _InitializeTorch(CpuTorch):
     def __init__(self):
         super().__init__()
         self.cuda = _OneCpuDevice()
@@ -55,21 +55,21 @@ def cpu_allow_no_cuda() -> bool:
 def cpu_initialize_device() -> bool:
     """initialize.py: model parallelism and the model-parallel seed are set up only when
     ``torch.cuda.device_count() > 0``; ``torch.cuda.set_device``. See :class:`_OneCpuDevice`."""
-    return _redirect_torch("megatron.training.initialize", _InitializeTorch)
+    return redirect_torch("megatron.training.initialize", _InitializeTorch)
 
 
-class _NoStreams(_CpuCuda):
+class _NoStreams(CpuCuda):
     """``torch.cuda`` inside ``megatron/training/training.py`` on CPU: ``get_model`` builds DDP
     on a side stream (``Stream()``, ``stream(s)``, ``current_stream().wait_stream``)."""
 
-    Stream = _CpuStream
+    Stream = CpuStream
 
     @staticmethod
     def stream(stream):
         return contextlib.nullcontext()
 
 
-class _TrainingTorch(_CpuTorch):
+class _TrainingTorch(CpuTorch):
     def __init__(self):
         super().__init__()
         self.cuda = _NoStreams()
@@ -79,7 +79,7 @@ def cpu_training_tensors() -> bool:
     """training.py: start-time/exit-duration/eval-iteration flags and loss accumulators are
     created with ``device='cuda'`` or on ``torch.cuda.current_device()``; ``synchronize``;
     ``get_model``'s DDP side stream (see :class:`_NoStreams`)."""
-    return _redirect_torch("megatron.training.training", _TrainingTorch)
+    return redirect_torch("megatron.training.training", _TrainingTorch)
 
 
 def cpu_training_utils() -> bool:
@@ -89,17 +89,17 @@ def cpu_training_utils() -> bool:
     0.18 on (``utils`` became a package)."""
     from megatron.training import utils as mlm_utils
 
-    return _redirect_torch(mlm_utils.reduce_max_stat_across_model_parallel_group.__module__)
+    return redirect_torch(mlm_utils.reduce_max_stat_across_model_parallel_group.__module__)
 
 
 def cpu_timers() -> bool:
     """megatron-core timers.py (used by Megatron-LM's loop, not by megatron-core's own code
     paths that paci_megatron's CPU patches cover): ``torch.cuda.synchronize()`` around each
     timer and the all-rank gather buffer on ``torch.cuda.current_device()``."""
-    return _redirect_torch("megatron.core.timers")
+    return redirect_torch("megatron.core.timers")
 
 
-class _NoCudaGenerator(_CpuCuda):
+class _NoCudaGenerator(CpuCuda):
     """``torch.cuda`` inside megatron-core's rerun_state_machine.py and Megatron-LM's
     checkpointing.py on CPU: there is no CUDA generator to save or restore (the CPU generator
     is saved next to it, as ``torch_rng_state``; the model-parallel tracker's states too)."""
@@ -114,7 +114,7 @@ class _NoCudaGenerator(_CpuCuda):
             raise RuntimeError("a CUDA RNG state cannot be restored on a CPU-only machine")
 
 
-class _NoCudaRngTorch(_CpuTorch):
+class _NoCudaRngTorch(CpuTorch):
     def __init__(self):
         super().__init__()
         self.cuda = _NoCudaGenerator()
@@ -124,14 +124,14 @@ def cpu_rerun_state_machine() -> bool:
     """megatron-core rerun_state_machine.py (driven by Megatron-LM's ``train_step``, default
     ``--rerun-mode validate_results``): saves ``torch.cuda.get_rng_state()`` before each
     iteration; flags and result tensors on ``device='cuda'`` / the current CUDA device."""
-    return _redirect_torch("megatron.core.rerun_state_machine", _NoCudaRngTorch)
+    return redirect_torch("megatron.core.rerun_state_machine", _NoCudaRngTorch)
 
 
 def cpu_checkpointing() -> bool:
     """checkpointing.py: the checkpoint's RNG states include ``torch.cuda.get_rng_state()``
     (saved as None on CPU, and None is restored as nothing); the latest-iteration all-reduce
     uses ``device='cuda'``; ``empty_cache``."""
-    return _redirect_torch("megatron.training.checkpointing", _NoCudaRngTorch)
+    return redirect_torch("megatron.training.checkpointing", _NoCudaRngTorch)
 
 
 def cpu_get_model() -> bool:
@@ -139,7 +139,7 @@ def cpu_get_model() -> bool:
     from megatron.training import training as mlm_training
 
     original = _resolve("megatron.training.training.get_model")[2]
-    return _replace(mlm_training, "get_model", _run_as_cpu(original))
+    return _replace(mlm_training, "get_model", run_as_cpu(original))
 
 
 def cpu_distributed_models() -> bool:
@@ -155,8 +155,8 @@ def cpu_distributed_models() -> bool:
     original = _resolve(f"{dist_utils.__name__}.{name}")[2]
     if original is None:  # 0.18 has the module, but get_model still wraps the model itself
         return False
-    changed = _redirect_torch(dist_utils.__name__, _TrainingTorch)
-    return _replace(dist_utils, name, _run_as_cpu(original)) or changed
+    changed = redirect_torch(dist_utils.__name__, _TrainingTorch)
+    return _replace(dist_utils, name, run_as_cpu(original)) or changed
 
 
 def cpu_evaluate() -> bool:
@@ -166,7 +166,7 @@ def cpu_evaluate() -> bool:
     from megatron.training import training as mlm_training
 
     original = _resolve("megatron.training.training.evaluate")[2]
-    return _replace(mlm_training, "evaluate", _run_as_cpu(original))
+    return _replace(mlm_training, "evaluate", run_as_cpu(original))
 
 
 def cpu_batch_to_device() -> bool:
@@ -183,7 +183,7 @@ def cpu_batch_to_device() -> bool:
     if original is None or "data_iterator" not in inspect.signature(original).parameters:
         return _tensor_cuda_is_identity()
 
-    as_cpu = _run_as_cpu(original)
+    as_cpu = run_as_cpu(original)
 
     @functools.wraps(original)
     def get_batch_on_this_tp_rank(data_iterator, mtp_on_this_rank: bool = False):
