@@ -245,6 +245,166 @@ def test_the_restore_is_megatrons_cast_bit_for_bit_and_in_place(kernel):
     assert torch.equal(target, flat["main"].to(torch.bfloat16)) and torch.equal(target, before)
 
 
+class _Failing:
+    """A fused kernel set whose ``fails`` calls raise (a compile error) and whose others run
+    the plain formulas; counts the calls."""
+
+    name = "fused"
+
+    def __init__(self, *fails):
+        self.fails, self.calls, self.tried = set(fails), 0, []
+
+    def __getattr__(self, name):
+        plain = getattr(pp._EAGER, name)
+
+        def call(*args, **_kwargs):
+            self.tried.append(name)
+            if name in self.fails:
+                raise RuntimeError(f"InductorError: {name} does not compile here")
+            self.calls += 1
+            return plain(*args)
+
+        return call
+
+
+def _adam_pass(pieces=2):
+    opt, params, offsets, flat = _flat_optimizer(
+        torch.optim.AdamW, SIZES, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    stage_pass, target = _pass(opt, params, offsets, flat, "adam", clip=0.3, pieces=pieces)
+    flat["grad"].copy_(torch.randn(flat["main"].numel(), generator=flat["gen"]))
+    layout = SimpleNamespace(stage_pass=stage_pass, step_count=lambda inner: 3)
+    return stage_pass, target, layout, flat
+
+
+@pytest.mark.parametrize("fails", ["sumsq", "coefficients", "piece", "minor"])
+def test_a_fused_kernel_that_fails_never_repeats_the_norms_all_reduce(fails, monkeypatch):
+    """The clipping norm's reduction over the stage's grad-stats group is the move's one
+    collective. A fused kernel that fails on one rank runs the plain formulas for its call,
+    on that rank, without running the reduction again (another rank, whose kernel worked,
+    posts it once: a second one would hang the job); the weights are the plain pass's."""
+    stage_pass, target, layout, _flat = _adam_pass()
+    stage_pass.kernel = "plain"
+    wp.predict_ahead(layout, 2, 0.5, lambda group, n: n * group["lr"], None, lambda t: None)
+    plain = target.clone()
+    stage_pass.restore()
+    monkeypatch.setattr(pp, "_FUSED", _Failing(fails))
+    stage_pass.kernel = "fused"
+    reductions = []
+    with pytest.warns(UserWarning) as warned:
+        wp.predict_ahead(layout, 2, 0.5, lambda group, n: n * group["lr"], None,
+                         lambda sumsq: reductions.append(float(sumsq)))
+    assert len(reductions) == 1
+    assert torch.equal(target, plain)
+    assert f"fused {fails} failed" in str(warned[0].message)
+    assert stage_pass.kernel == "plain" and stage_pass.fallbacks == 1  # not settled: plain on
+
+
+@pytest.mark.parametrize("local_ok,others_ok", [(True, True), (True, False), (False, True)])
+def test_the_kernel_is_settled_once_at_start_up_and_alike_on_the_stages_ranks(
+        local_ok, others_ok, monkeypatch):
+    """``settle``: every variant compiled and run on the stage's own pieces (a move of step 0
+    and the restore: the weights come back bit for bit), then one agreement (the runtime's
+    all-reduce MIN over the stage): fused only where every rank compiled, else plain on all,
+    saying why. Later calls never settle again nor agree again."""
+    stage_pass, target, layout, flat = _adam_pass()
+    before = target.clone()
+    layer = [stage_pass.sliced(0, 100, 900)]  # a layer-by-layer move's slice
+    monkeypatch.setattr(pp, "_FUSED", _Failing() if local_ok else _Failing("minor"))
+    stage_pass.kernel = "fused"
+    agreed = []
+
+    def agree(ok):  # the all-reduce MIN of the stage's flags
+        agreed.append(ok)
+        return ok and others_ok
+
+    why = stage_pass.settle([layer], (True, False), torch.tensor([0.25]), agree)
+    assert agreed == [local_ok] and stage_pass.settled
+    assert torch.equal(target, before)
+    if local_ok:  # every variant ran: both folds, the stage's pieces and the layer's
+        assert set(pp._FUSED.tried) == {"sumsq", "coefficients", "piece", "minor"}
+        assert pp._FUSED.tried.count("coefficients") == 2
+    assert stage_pass.kernel == ("fused" if local_ok and others_ok else "plain")
+    expected = "" if local_ok and others_ok else \
+        "another rank of the stage" if local_ok else "on this rank (RuntimeError: InductorError"
+    assert (expected in why) if expected else why == ""
+    assert stage_pass.settle([layer], (True,), None, agree) == "" and len(agreed) == 1
+
+
+def test_after_start_up_nothing_compiles_and_an_unmet_variant_runs_plain(monkeypatch):
+    """A real torch.compile (Dynamo, with the cheap aot_eager backend): after ``settle`` the
+    moves compile nothing (every timed move is the steady state); a variant start-up did not
+    meet (here a loss scale where it settled without one) is not compiled then but runs the
+    plain formulas for that call, and the move equals the plain pass's."""
+    from torch._dynamo.utils import counters
+
+    stage_pass, target, layout, _flat = _adam_pass()
+    results = {}
+    for kernel in ("plain", "fused"):
+        stage_pass.kernel = kernel
+        for factor, scale in ((0.5, None), (None, None), (0.5, torch.tensor([4.0]))):
+            wp.predict_ahead(layout, 2, factor, lambda group, n: n * group["lr"], scale,
+                             lambda t: None)
+            results[kernel, factor, scale is None] = target.float()
+            stage_pass.restore()
+        if kernel == "plain":
+            monkeypatch.setattr(pp, "_FUSED", pp._Fused(backend="aot_eager"))
+            stage_pass.kernel = "fused"
+            torch._dynamo.reset()
+            assert stage_pass.settle((), (True, False), None) == ""
+            graphs = counters["stats"]["unique_graphs"]
+            assert graphs >= 3 and stage_pass.kernel == "fused"
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled after start-up
+    assert stage_pass.fallbacks >= 1  # the loss scale's variant ran plain
+    for key, plain in results.items():
+        if key[0] == "plain":
+            fused = results["fused", *key[1:]]
+            ulp = torch.finfo(torch.bfloat16).eps * plain.abs().clamp_min(1e-30)
+            assert ((fused - plain).abs() <= ulp).all(), key
+
+
+def test_the_layer_by_layer_move_survives_a_failing_kernel(monkeypatch):
+    """--paci-weight-prediction-overlap calls the same pass from its hooks: a fused kernel
+    that fails there runs plain for that call; the forward goes on, each layer runs on its
+    predicted slice and everything is put back."""
+    from paci_megatron.mcore.prediction_overlap import LayerwiseMove
+
+    stage_pass, target, layout, _flat = _adam_pass(pieces=1)
+    total = target.numel()
+    stage_pass.kernel = "plain"
+    wp.predict_ahead(layout, 1, 0.5, lambda group, n: n * group["lr"], None, lambda t: None)
+    predicted = target.clone()
+    stage_pass.restore()
+    before = target.clone()
+    model = torch.nn.Module()
+    model.embed = torch.nn.Linear(2, 4)
+    model.decoder = torch.nn.Module()
+    model.decoder.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+    spans = {id(p): (0, 200) for p in model.embed.parameters()}
+    for index, layer in enumerate(model.decoder.layers):
+        spans.update({id(p): (200 + index * 1000, 1200 + index * 1000) for p in layer.parameters()})
+    seen = []
+    for index, layer in enumerate(model.decoder.layers):
+        lo, hi = 200 + index * 1000, 1200 + index * 1000
+        layer.register_forward_pre_hook(
+            lambda _m, _a, lo=lo, hi=hi: seen.append(torch.equal(target[lo:hi], predicted[lo:hi])))
+    layout.sharded = False
+    layout.pieces_of = lambda params: [stage_pass.sliced(0, *spans[id(p)]) for p in params[:1]]
+    mover = LayerwiseMove(layout, model)
+    assert total > 2200
+    monkeypatch.setattr(pp, "_FUSED", _Failing("piece"))
+    stage_pass.kernel, stage_pass.settled = "fused", True  # settled fused; a variant fails
+    host = pp.scalars_to_device([pp.host_coefficients(k, (1e-2, 0.0), 3, 0.5)
+                                 for k in stage_pass.klasses], "cpu")
+    with pytest.warns(UserWarning, match="fused piece failed"):
+        mover.start(stage_pass.coefficients(host, None, True, lambda t: None), True)
+    model.decoder.layers[1](model.decoder.layers[0](model.embed(torch.ones(1, 2))))
+    mover.finish()
+    assert seen == [True, True]  # each layer ran on its predicted weights
+    assert torch.equal(target, before) and stage_pass.kernel == "fused"
+    assert stage_pass.fallbacks == 3  # the outside piece and each layer's, one move each
+    assert len(mover.piece_sets()) == 3  # what start-up compiles for it: all of it
+
+
 class _Count(TorchDispatchMode):
     """Operators dispatched that launch work (views launch none), and those that make a GPU
     host wait (a scalar read back)."""
@@ -444,16 +604,26 @@ def test_a_forward_with_nothing_to_predict_from_is_neither_counted_nor_restored(
     assert feature.predicted == {} and restored == [] and not ctx.weights_moved
 
 
-def test_the_feature_times_the_move_and_restore_apart_from_the_forward(monkeypatch):
+def test_the_feature_compiles_at_start_up_and_times_every_move_after_it(monkeypatch):
     """What the end-of-run report reads: move + restore per predicted forward, and the
-    forward itself between them (a forward that predicts nothing is not timed)."""
+    forward itself between them (a forward that predicts nothing is not timed). The stream's
+    start settles the pass's kernel (``Pass.settle``: every variant compiled, with the folds
+    and the loss scale the moves use) before any span, so every move counts, the first too."""
     import time
 
     feature = wp.WeightPrediction()
-    ctx, _restored = _feature_ctx(feature, {0: 1, 1: 0, 2: 1})
-    feature.layout.stage_pass.restore = lambda: time.sleep(0.02)
-    feature.layout.stage_pass.kernel = "plain"
-    moves = iter([0.5, 0.03])  # the first move compiles its kernels: left out
+    ctx, _restored = _feature_ctx(feature, {0: 1, 1: 0, 2: 1}, scale=8.0)
+    layout = feature.layout
+    layout.stage_pass.device = torch.device("cpu")
+    settled = []
+    ctx.prediction_layout = lambda: layout
+    ctx.settle_prediction = lambda sets, folds, inv: settled.append((list(sets), folds,
+                                                                      float(inv)))
+    feature.on_start(ctx)
+    assert settled == [([], (True, False), 0.125)]
+    layout.stage_pass.restore = lambda: time.sleep(0.02)
+    layout.stage_pass.kernel = "plain"
+    moves = iter([0.2, 0.02])  # both timed: nothing compiles after on_start
     monkeypatch.setattr(wp, "predict_ahead", lambda *a: time.sleep(next(moves)) or True)
     assert "predict_ms" not in feature.summary()
     for mb in (0, 1, 2):
@@ -462,8 +632,33 @@ def test_the_feature_times_the_move_and_restore_apart_from_the_forward(monkeypat
         feature.after_forward(ctx, mb)
     row = feature.summary()
     assert row["predicted_forwards"] == {1: 2} and row["prediction_schedule"] == "per-forward"
-    assert 50.0 <= row["predict_ms"] < 400.0  # the second move and restore only
+    assert 120.0 <= row["predict_ms"] < 600.0  # (220 + 40) / 2: the first move counts
     assert 2.0 <= row["forward_ms"] < 30.0  # the move is not the forward's
+
+
+def test_per_token_loss_and_the_lookahead_settle_only_the_variants_they_run():
+    from paci_megatron.features.lookahead import Lookahead
+
+    feature = wp.WeightPrediction()
+    ctx, _restored = _feature_ctx(feature, {}, per_token=True)
+    feature.layout.stage_pass.device = torch.device("cpu")
+    layout, settled = feature.layout, []
+    ctx.prediction_layout = lambda: layout
+    ctx.settle_prediction = lambda *a: settled.append(a)
+    feature.on_start(ctx)  # per-token loss: the gradient is a token sum until R, never folded
+    assert settled == [((), (False,), None)]
+    ctx.stale = False  # a stock plan: nothing to look ahead to, but the kernel is settled
+    Lookahead(1.0).on_start(ctx)
+    assert settled[-1] == ((), (False,), None) and len(settled) == 2
+
+
+def test_the_cost_lines_say_no_compilation_was_timed():
+    rows = [_row(0, 2, 16, 6, 3.0, 10.0), _row(1, 2, 16)]
+    assert wp.cost_lines(rows)[-1].endswith(
+        "every move timed, none compiling: the kernels were compiled at start-up")
+    rows = [{**_row(s, 2, 16), "forward_ms": 10.0, "lookahead_ms": 1.0} for s in range(2)]
+    assert la.cost_lines(rows)[-1].endswith(
+        "every pass timed, none compiling: the kernels were compiled at start-up")
 
 
 @pytest.mark.parametrize("extra", [["--paci-stale-grad-weight", "0.2"],

@@ -51,6 +51,9 @@ class StageContext:
     check_prediction: Callable[[], None] = lambda: None
     prediction_layout: Callable[[], Any] = lambda: None
     prediction_mover: Callable[[], Any] = lambda: None  # layer by layer (or None: whole)
+    # the pass's kernel, decided once a run and alike on the stage's ranks (Pass.settle):
+    # (the piece sets moved besides the whole stage, the folds, the loss scale's inverse)
+    settle_prediction: Callable[..., None] = lambda piece_sets=(), folds=(), inv_scale=None: None
     lr_sum: Callable[[dict, int], float] = lambda group, steps: steps * group["lr"]
     reduce_stage_sumsq: Optional[Callable[[Any], None]] = None
     gather_weights: Callable[[], None] = lambda: None

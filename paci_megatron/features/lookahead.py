@@ -64,10 +64,12 @@ def cost_lines(rows: List[dict], prefix: str = "> stage") -> List[str]:
              f"{r['forward_ms']:.2f} ms a forward ({r['lookahead_ms'] / r['forward_ms']:.2f} "
              "forwards a step)" for r in timed]
     with_it, plain = projected_throughput(rows, per_step=mean_forwards(timed, "lookahead_ms"))
+    from .weight_prediction import UNTIMED_COMPILE
+
     lines.append(f"> PACI: the look-ahead's cost leaves a projected throughput of {with_it:.2f}x "
                  f"1F1B's (plain PACI {plain:.2f}x; backward = 2 forwards); `python -m "
                  "paci_megatron.tools.compare --project-costs measured` projects whether its "
-                 "lower loss pays for that")
+                 f"lower loss pays for that; {UNTIMED_COMPILE.replace('move', 'pass')}")
     return lines
 
 
@@ -83,9 +85,10 @@ class Lookahead(StageFeature):
         self.strength = strength
         self.layout = None
         self.ahead = False  # the model weights hold the look-ahead now
-        # one pass a step: the step's extra cost (the first left out: it compiles the kernels)
-        self.time = SpanTimer(skip=1)
-        self.forward_time = SpanTimer(skip=1)  # the stage's forwards, to state that cost in
+        # one pass a step: the step's extra cost (every pass counts: the kernels are
+        # compiled at start-up, ``on_start``, untimed)
+        self.time = SpanTimer()
+        self.forward_time = SpanTimer()  # the stage's forwards, to state that cost in
 
     @staticmethod
     def check(args, layout) -> None:
@@ -134,6 +137,7 @@ class Lookahead(StageFeature):
 
     def on_start(self, ctx: StageContext) -> None:
         self.layout = ctx.prediction_layout()
+        ctx.settle_prediction((), (False,), None)  # its one variant: no gradient, no scale
         self.time.cuda = self.forward_time.cuda = self.layout.stage_pass.device.type == "cuda"
         self._look_ahead(ctx)
 

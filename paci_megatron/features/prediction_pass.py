@@ -19,6 +19,13 @@ Two ways to run it, with the same formulas (``adam_value``, ``sgd_momentum_value
 * plain: the same formulas as eager torch ops over chunks of at most ``PLAIN_CHUNK`` elements
   (temporaries bounded by that), where ``torch.compile`` does not run.
 
+Which one runs is decided once a run, at start-up (``Pass.settle``): every fused variant the
+run will call is compiled there, on the stage's own tensors, and the stage's ranks agree (an
+all-reduce of the flag: fused only where all of them compiled). After that nothing compiles
+(a variant start-up did not meet runs plain, on that call), so a timed move holds no
+compilation; and no fallback ever repeats the clipping norm's reduction, the pass's one
+collective, which sits between two kernel calls.
+
 The step's scalars that depend on the gradient are computed on the device before the move:
 the norm of the estimated gradient, for the clipping, and whether it is finite. A non-finite
 gradient means the next step will be skipped, so the prediction then aims one step fewer and
@@ -27,6 +34,7 @@ folds nothing, by elementwise selects: no host sync.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -261,12 +269,15 @@ class _Fused:
     """The formulas compiled (on first use: one graph per optimizer kind, dtype and whether a
     gradient is folded; sizes are dynamic), called outside Python dispatch modes: compiled code
     never dispatches through them and torch.compile will not trace under one. The kernels
-    write in place and allocate nothing, so a memory meter misses nothing."""
+    write in place and allocate nothing, so a memory meter misses nothing. ``frozen``: a call
+    that would compile raises instead (``Pass.settle`` compiled every variant at start-up)."""
 
     name = "fused"
 
-    def __init__(self):
+    def __init__(self, backend: Optional[str] = None):
         options = dict(dynamic=True, fullgraph=True)
+        if backend is not None:  # a test's cheaper backend ("aot_eager"); default: inductor
+            options["backend"] = backend
         self._sumsq = torch.compile(grad_sumsq, **options)
         self._coefficients = torch.compile(coefficients, **options)
         self._scalars = torch.compile(_scalars_kernel, **options)
@@ -274,28 +285,31 @@ class _Fused:
         self._minor = torch.compile(_minor_kernel, **options)
         self.calls = 0  # compiled calls so far (one kernel or two each; counted by the tests)
 
-    def _call(self, fn, *args):
+    def _call(self, fn, *args, frozen: bool = False):
         from torch.utils._python_dispatch import _disable_current_modes
 
-        with _disable_current_modes():
+        stance = torch.compiler.set_stance("fail_on_recompile") if frozen \
+            else contextlib.nullcontext()
+        with _disable_current_modes(), stance:
             out = fn(*args)
         self.calls += 1
         return out
 
-    def sumsq(self, grads, excluded):
-        return self._call(self._sumsq, list(grads), list(excluded))
+    def sumsq(self, grads, excluded, frozen=False):
+        return self._call(self._sumsq, list(grads), list(excluded), frozen=frozen)
 
-    def coefficients(self, host, inv_scale, sumsq):
-        return self._call(self._coefficients, host, inv_scale, sumsq)
+    def coefficients(self, host, inv_scale, sumsq, frozen=False):
+        return self._call(self._coefficients, host, inv_scale, sumsq, frozen=frozen)
 
-    def scalars(self, host, inv_scale, grads, excluded):
-        return self._call(self._scalars, host, inv_scale, list(grads), list(excluded))
+    def scalars(self, host, inv_scale, grads, excluded, frozen=False):
+        return self._call(self._scalars, host, inv_scale, list(grads), list(excluded),
+                          frozen=frozen)
 
-    def piece(self, kind, target, main, state, grad, c):
-        self._call(self._piece, kind, target, main, state, grad, c)
+    def piece(self, kind, target, main, state, grad, c, frozen=False):
+        self._call(self._piece, kind, target, main, state, grad, c, frozen=frozen)
 
-    def minor(self, kind, target, main, state, grad, index, c):
-        self._call(self._minor, kind, target, main, state, grad, index, c)
+    def minor(self, kind, target, main, state, grad, index, c, frozen=False):
+        self._call(self._minor, kind, target, main, state, grad, index, c, frozen=frozen)
 
 
 _EAGER = _Eager()
@@ -315,20 +329,31 @@ def fused_calls() -> int:
     return 0 if _FUSED is None else _FUSED.calls
 
 
-def kernel_choice(device_type: str) -> str:
-    """"fused" or "plain" for this device: ``PACI_PREDICTION_KERNEL`` when set, else fused
-    where torch.compile works (tried once per device type)."""
+def _asked() -> str:
     asked = os.environ.get(KERNEL_ENV, "auto").lower()
     if asked not in ("auto", "fused", "plain"):
         raise ValueError(f"{KERNEL_ENV}={asked!r}: choose fused, plain or auto")
+    return asked
+
+
+def kernel_choice(device_type: str, strict: bool = True) -> str:
+    """"fused" or "plain" for this device: ``PACI_PREDICTION_KERNEL`` when set, else fused
+    where torch.compile works (tried once per device type on tiny tensors). ``strict``: a
+    forced fused kernel that fails here raises (a stage's layout leaves that to ``settle``,
+    after its ranks agreed, so that every rank of the stage stops, not one)."""
+    asked = _asked()
     if asked == "plain":
         return "plain"
     if device_type not in _BROKEN:
         _BROKEN[device_type] = _try_fused(device_type)
     why = _BROKEN[device_type]
-    if why and asked == "fused":
+    if why and asked == "fused" and strict:
         raise RuntimeError(f"{KERNEL_ENV}=fused but torch.compile fails here: {why}")
     return "plain" if why else "fused"
+
+
+def _why(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
 
 
 def _try_fused(device_type: str) -> str:
@@ -348,15 +373,41 @@ def _try_fused(device_type: str) -> str:
                           (Minor(torch.tensor([1, 5], device=device), 0),))
             trial = Pass("adam", [piece], [klass], kernel=kernel.name)
             trial.move_pieces(trial.pieces, trial.coefficients(
-                scalars_to_device(rows, device), None, True), True)
+                scalars_to_device(rows, device), None, True, run=kernel), True, run=kernel)
             out[kernel.name] = target.float()
         torch.testing.assert_close(out["fused"], out["plain"], rtol=8e-3, atol=1e-6)
     except Exception as exc:  # a missing compiler, an unsupported backend
-        why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        why = _why(exc)
         warnings.warn(f"paci: weight prediction falls back to its plain pass on "
                       f"{device_type} (torch.compile failed: {why})")
         return why
     return ""
+
+
+class _Guarded:
+    """A pass's kernels with its fallback: a fused call that fails runs the same formulas as
+    the plain pass, for that call, on this rank. No kernel call holds a collective (the
+    clipping norm's reduction sits between two of them), so a fallback never repeats one;
+    before ``settle`` a failure turns the pass plain, after it only the call (whatever failed
+    after start-up is a variant start-up did not meet: a recompile, refused by then)."""
+
+    def __init__(self, owner: "Pass"):
+        self.owner = owner
+
+    def __getattr__(self, name):
+        fused, plain = getattr(_fused(), name), getattr(_EAGER, name)
+        owner = self.owner
+
+        def call(*args):
+            if owner.kernel != "fused":
+                return plain(*args)
+            try:
+                return fused(*args, frozen=owner.settled)
+            except Exception as exc:  # a compile that failed, or one refused after settle
+                owner.fell_back(name, exc)
+            return plain(*args)
+
+        return call
 
 
 @dataclass
@@ -369,36 +420,41 @@ class Pass:
     klasses: List[Klass]
     excluded: List[torch.Tensor] = field(default_factory=list)
     kernel: str = "plain"
+    settled: bool = False  # ``settle`` decided the kernel for the run: nothing compiles later
+    fallbacks: int = 0  # fused calls that ran the plain formulas instead
 
     @property
     def device(self):
         return self.pieces[0].main.device if self.pieces else torch.device("cpu")
 
     def _runner(self):
-        return _fused() if self.kernel == "fused" else _EAGER
+        return _Guarded(self) if self.kernel == "fused" else _EAGER
+
+    def fell_back(self, name: str, exc: BaseException) -> None:
+        """A fused call failed on this rank: its call runs plain (see ``_Guarded``)."""
+        self.fallbacks += 1
+        if self.fallbacks == 1:
+            after = ("this call runs the plain pass; the kernels compiled at start-up stay"
+                     if self.settled else "the pass runs plain from now on")
+            warnings.warn(f"paci: weight prediction's fused {name} failed ({_why(exc)}): "
+                          f"{after}")
+        if not self.settled:
+            self.kernel = "plain"
 
     def move(self, host: torch.Tensor, inv_scale, fold: bool,
              reduce_sumsq: Optional[Callable[[torch.Tensor], None]] = None) -> None:
         """Write every piece's prediction into its model weights. ``host``: the classes' rows
         on the device; ``fold``: fold the partial gradient in where its class allows it, with
         ``reduce_sumsq`` summing its squared norm over the stage's grad-stats group (where
-        Megatron reduces its clipping norm) in place."""
-        try:
-            coef = self.coefficients(host, inv_scale, fold, reduce_sumsq)
-            self.move_pieces(self.pieces, coef, fold)
-        except Exception as exc:
-            if self.kernel != "fused":
-                raise
-            warnings.warn(f"paci: weight prediction falls back to its plain pass "
-                          f"(torch.compile failed: {type(exc).__name__}: {exc})")
-            self.kernel = "plain"  # every piece again, eagerly
-            self.move(host, inv_scale, fold, reduce_sumsq)
+        Megatron reduces its clipping norm) in place: once a move, whatever kernel fails."""
+        coef = self.coefficients(host, inv_scale, fold, reduce_sumsq)
+        self.move_pieces(self.pieces, coef, fold)
 
     def coefficients(self, host: torch.Tensor, inv_scale, fold: bool,
-                     reduce_sumsq: Optional[Callable[[torch.Tensor], None]] = None):
+                     reduce_sumsq: Optional[Callable[[torch.Tensor], None]] = None, run=None):
         """The classes' coefficients on the device (the clipping norm and the finite flag
         need the whole stage's gradient: once, before any piece moves)."""
-        run = self._runner()
+        run = run or self._runner()
         if not (fold and any(k.fold for k in self.klasses)):
             return run.coefficients(host, inv_scale, None)
         grads = [p.grad for p in self.pieces]
@@ -408,9 +464,10 @@ class Pass:
         reduce_sumsq(sumsq)
         return run.coefficients(host, inv_scale, sumsq)
 
-    def move_pieces(self, pieces: Sequence[Piece], coef: torch.Tensor, fold: bool) -> None:
+    def move_pieces(self, pieces: Sequence[Piece], coef: torch.Tensor, fold: bool,
+                    run=None) -> None:
         """Move ``pieces`` (the stage's, or a layer's slices of them: ``layer_pieces``)."""
-        run = self._runner()
+        run = run or self._runner()
         folds = [fold and k.fold for k in self.klasses]
         for piece in pieces:
             run.piece(self.kind, piece.target, piece.main, piece.state,
@@ -419,6 +476,52 @@ class Pass:
                 run.minor(self.kind, piece.target, piece.main, piece.state,
                           piece.grad if folds[minor.klass] else None, minor.index,
                           coef[minor.klass])
+
+    def settle(self, piece_sets: Sequence[Sequence[Piece]] = (), folds: Sequence[bool] = (True,
+               False), inv_scale=None, agree: Optional[Callable[[bool], bool]] = None) -> str:
+        """Decide the kernel once for the run, before the stream's first action: compile
+        (and run) every fused variant the run will call, on its own pieces (``piece_sets``:
+        each set of pieces it moves besides the whole stage, a layer's slices say; ``folds``:
+        with and without the gradient; ``inv_scale``: the loss scale's inverse, as the run
+        passes it), put the weights back, and let ``agree(ok)`` make the stage's ranks agree
+        (an all-reduce of the flag: fused only where every rank compiled). Afterwards
+        nothing compiles: a variant start-up did not meet runs plain (``_Guarded``), so the
+        timed moves hold no compilation. Returns why the stage runs plain ("" when fused,
+        or plain as asked); the second call does nothing."""
+        if self.settled:
+            return ""
+        why = ""
+        if self.kernel == "fused":
+            try:
+                self._compile(piece_sets, folds, inv_scale)
+            except Exception as exc:
+                why = f"torch.compile failed on this rank ({_why(exc)})"
+            finally:
+                self.restore()
+        elif _asked() != "plain" and _BROKEN.get(self.device.type):
+            why = f"torch.compile failed on this rank ({_BROKEN[self.device.type]})"
+        ok = self.kernel == "fused" and not why
+        agreed = ok if agree is None else bool(agree(ok))
+        if ok and not agreed:
+            why = "torch.compile failed on another rank of the stage"
+        self.kernel = "fused" if agreed else "plain"
+        self.settled = True
+        if why and _asked() == "fused":
+            raise RuntimeError(f"{KERNEL_ENV}=fused, but the stage runs the plain pass: {why}")
+        return why
+
+    def _compile(self, piece_sets, folds, inv_scale) -> None:
+        """Every fused call the run makes, once, with the real tensors and a step of 0 (the
+        move writes the weights the restore writes), raising what fails."""
+        run = _fused()
+        rows = [host_coefficients(k, (0.0, 0.0), 0, 1.0) for k in self.klasses]
+        host = scalars_to_device(rows, self.device)
+        for fold in folds:
+            if self.kind == "sgd" and not fold:
+                continue  # nothing to predict from: no move (predict_ahead)
+            coef = self.coefficients(host, inv_scale, fold, lambda sumsq: None, run=run)
+            for pieces in (self.pieces, *piece_sets):
+                self.move_pieces(pieces, coef, fold, run=run)
 
     def sliced(self, piece_index: int, lo: int, hi: int) -> Piece:
         """Elements [lo, hi) of one piece as a piece of its own (its minors re-indexed)."""

@@ -13,8 +13,8 @@ from collections import deque
 
 class SpanTimer:
     """The total and count of finished spans (``start`` ... ``stop``), the first ``skip``
-    left out: a pass's first calls compile its kernels (torch.compile: seconds, not the
-    steady state a projection wants)."""
+    left out (a span known to hold one-off work; the prediction's and the look-ahead's
+    kernels are compiled at start-up, before any span, so theirs count from the first)."""
 
     def __init__(self, cuda: bool = False, skip: int = 0):
         self.cuda = cuda

@@ -203,7 +203,8 @@ class StageLayout:
                             (index, max(m.start, lo) - lo, min(m.end, hi) - lo))
             pieces += cut.pieces
         stage_pass = Pass(self.kind, pieces, klass_list, excluded,
-                          kernel_choice(pieces[0].main.device.type) if pieces else "plain")
+                          kernel_choice(pieces[0].main.device.type, strict=False)
+                          if pieces else "plain")
         return stage_pass
 
     def _regions(self) -> List[_Region]:

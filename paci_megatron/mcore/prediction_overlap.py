@@ -68,6 +68,10 @@ class LayerwiseMove:
             return "the stage has no transformer layers to hook"
         return ""
 
+    def piece_sets(self) -> list:
+        """What it moves besides the whole stage (each compiled at start-up: Pass.settle)."""
+        return [self.outside, *self.units]
+
     # the feature's two calls ----------------------------------------------------------------
     def start(self, coef, fold: bool) -> None:
         """Before the forward: the weights outside the layers and the first layer's."""

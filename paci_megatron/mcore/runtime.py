@@ -23,6 +23,7 @@ from megatron.core.pipeline_parallel import schedules as mcore_schedules
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.utils import get_model_config, get_model_type
 
+from ..autograd_versions import keep_version_counters
 from ..executor import DriftStats, ReplayIterator, StageExecutor
 from ..features.base import StageContext, StageFeature, sub_optimizers
 from ..plan_policy import PlanPolicy
@@ -134,6 +135,7 @@ class PaciRuntime:
         ctx.check_prediction = lambda: main_params.check_optimizer(optimizer)
         ctx.prediction_layout = self.prediction_layout
         ctx.prediction_mover = self.prediction_mover
+        ctx.settle_prediction = self.settle_prediction
         ctx.lr_sum = lambda group, steps: main_params.lr_sum(
             self.lr_scheduler, self.lr_increment_now(), group, steps)
         ctx.loss_scale_tensor = lambda: main_params.loss_scale_tensor(optimizer)
@@ -164,6 +166,32 @@ class PaciRuntime:
                   f"stage before each predicted forward: {why}", flush=True)
             return None
         return LayerwiseMove(self._layout, self.model)
+
+    def settle_prediction(self, piece_sets=(), folds=(True, False), inv_scale=None) -> None:
+        """The pass's kernel for the whole run, at the first stream's start (before its
+        first action, so before any collective of the training loop): every fused variant
+        compiled on this stage's tensors, the stage's ranks agreeing (``Pass.settle``); a
+        line says why where the stage runs the plain pass. Later streams: nothing."""
+        stage_pass = self._layout.stage_pass
+        if stage_pass.settled:
+            return
+        with keep_version_counters(self.params):
+            why = stage_pass.settle(piece_sets, folds, inv_scale, agree=self._stage_agrees)
+        group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+        if why and torch.distributed.get_rank(group) == 0:
+            print(f"> PACI stage {self.stage}: the weight prediction's pass runs plain (the "
+                  f"same formulas as eager torch ops, chunked) for this run: {why}", flush=True)
+
+    @staticmethod
+    def _stage_agrees(ok: bool) -> bool:
+        """True where every rank of this stage (tensor x data x context parallel) says so:
+        one all-reduce of a flag, at start-up."""
+        group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+        if group.size() == 1:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=warmup._device())
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
+        return bool(flag.item())
 
     def _use_stage_grad_stats(self, stage_local: bool) -> None:
         """PACI reduces grad norm / found-inf within the stage; stock 1F1B (and the sync
