@@ -4,7 +4,8 @@ optimizer turn the default weight prediction off with a start-up line saying why
 explicit request is refused, naming both flags); the MXFP8 buffer that is also the gradient
 buffer is refused under PACI; CUDA graphs are refused beside the layer-by-layer move. Single
 process: the drop-in's validator on Megatron-LM's parsed flags (``megatron_lm_args``), before
-and after Megatron-LM's own validate_args has rewritten them."""
+and after Megatron-LM's own validate_args has rewritten them. And one launch of 4 gloo ranks:
+the grad norm with several distributed-optimizer instances."""
 
 import pytest
 import torch
