@@ -15,7 +15,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # megatron-core: from the oldest release the patches support (patches/versions.py,
 # MCORE_RANGE), with no upper bound either: Megatron-LM main (0.20.0, pip install -e of a
 # checkout) and newer releases install beside us and run with a warning naming the newest
-# tested release (patches/cpu_gloo.check_megatron_core_version). pip picks 0.16.x on Python
+# tested release (patches/release_check.check_megatron_core_version). pip picks 0.16.x on Python
 # 3.10/3.11 (0.17 and later require 3.12). A machine's exact pins are constraints-*.txt.
 TORCH_RANGE = ">=2.11.0a0"
 with open(os.path.join(HERE, "patches", "versions.py")) as handle:
