@@ -501,6 +501,7 @@ class Pass:
         elif _asked() != "plain" and _BROKEN.get(self.device.type):
             why = f"torch.compile failed on this rank ({_BROKEN[self.device.type]})"
         ok = self.kernel == "fused" and not why
+        # agree() answers a Python bool (its one host read is the start-up agreement, once a run)
         agreed = ok if agree is None else bool(agree(ok))
         if ok and not agreed:
             why = "torch.compile failed on another rank of the stage"

@@ -191,6 +191,8 @@ class PaciRuntime:
             return ok
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=warmup._device())
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
+        # the host picks the kernel from this: read once a run, at the first stream's start
+        # (Pass.settle is guarded by `settled`), never on the per-forward path
         return bool(flag.item())
 
     def _use_stage_grad_stats(self, stage_local: bool) -> None:
