@@ -23,7 +23,7 @@ with open(os.path.join(HERE, "patches", "versions.py")) as handle:
 
 setup(
     name="paci-megatron",
-    version="0.1.0",
+    version="0.2.0",
     description="PACI: bubble-free asynchronous pipeline parallelism with bounded weight drift "
                 "for NVIDIA Megatron-Core (--pipeline-schedule paci)",
     python_requires=">=3.10",

@@ -26,7 +26,6 @@ C=${C:-2}  # the look-ahead strength the selection chose (study 14)
 B1=${B1:-0.95}  # NAdam's beta1, which its selection chose (study 14)
 source "$(dirname "$0")/paper_regime_flags.sh"  # CORPUS, PAPER, LR, PLAIN, PREDICT
 PAPER+=("${LR[@]}" --train-iters 2000)
-GROUP="$PREDICT --paci-weight-prediction-schedule per-group"
 AHEAD=$PLAIN  # the look-ahead adds --paci-lookahead C to plain PACI
 TIMEOUT=${TIMEOUT:-14400}  # seconds a run may take: a P=8 run on a slow machine passes 1 h
 compare() { python -m paci_megatron.tools.compare --reuse --timeout "$TIMEOUT" "$@"; }
@@ -36,7 +35,7 @@ report() {  # OUT NPROC SCHEDULES: one seed at a time, then both (reused) for th
   for seeds in 3001 3002 3001,3002; do
     compare --schedules "$schedules" --seeds "$seeds" --nproc-per-node "$nproc" --out "$out" \
         --run paci-lookahead="$AHEAD --paci-lookahead $C" --run paci-predict="$PREDICT" \
-        --run paci-plain="$PLAIN" --run paci-predict-group="$GROUP" -- "${PAPER[@]}"
+        --run paci-plain="$PLAIN" -- "${PAPER[@]}"
   done
 }
 

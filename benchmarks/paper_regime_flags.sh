@@ -9,6 +9,7 @@ PAPER=("${CORPUS[@]}" --num-layers 8 --hidden-size 512 --num-attention-heads 8 -
        --adam-beta2 0.95 --weight-decay 0.1 --lr-decay-style cosine --lr-warmup-iters 20
        --eval-interval 50 --eval-iters 16 --log-interval 50)
 LR=(--lr 3e-4 --min-lr 3e-05)  # spelled as the sweep spells it, so its 1F1B run is reused
-# the paper's PACI: no weights, no prediction (both were defaults once; spelled out for reuse)
-PLAIN="--pipeline-schedule paci --paci-stale-grad-weight 1 --no-paci-weight-prediction"
-PREDICT="--pipeline-schedule paci --paci-stale-grad-weight 1 --paci-weight-prediction"
+# the paper's PACI, and the prediction spelled out (0.1.x spelled --paci-stale-grad-weight 1 in
+# both too; 0.2.0 removed that flag, so a 0.1.x run is not reused by these flags)
+PLAIN="--pipeline-schedule paci --no-paci-weight-prediction"
+PREDICT="--pipeline-schedule paci --paci-weight-prediction"

@@ -29,10 +29,9 @@ PHASE=${1:?usage: paper_regime_study.sh sweep|select|report|p4|p8|budget|aggress
 OUT=${2:-$(dirname "$0")/results/paper_regime}
 DATA=${DATA:-/tmp/cmp_shk}
 # report: the selection's winner (section 12: plain PACI with forward weight prediction)
-CANDIDATE=${CANDIDATE:-"--paci-stale-grad-weight 1 --paci-weight-prediction"}  # = $PREDICT
+CANDIDATE=${CANDIDATE:-"--paci-weight-prediction"}  # = $PREDICT
 source "$(dirname "$0")/paper_regime_flags.sh"  # CORPUS, PAPER, LR, PLAIN, PREDICT
 compare() { python -m paci_megatron.tools.compare --reuse "$@"; }
-COOLDOWN=(--run paci-plain-cooldown200="$PLAIN --paci-cooldown-iters 200")
 
 # report_seeds OUT NPROC SCHEDULES [--run ...]: 1F1B (and SCHEDULES), plain PACI, the
 # candidate and the given runs on the report seeds, one seed at a time, so a session that
@@ -59,28 +58,23 @@ select)
   mkdir -p "$OUT/select"  # the sweep's LR 3e-4 run is the selection's 1F1B (same flags, seed)
   for f in "$OUT"/sweep/lr3e-4/1f1b.seed1234.*; do cp -n "$f" "$OUT/select/" 2>/dev/null || true; done
   compare --schedules 1f1b --seeds 1234 --nproc-per-node 4 --out "$OUT/select" \
-      --run paci-plain="$PLAIN" \
-      --run paci-w0.2="--pipeline-schedule paci --paci-stale-grad-weight 0.2 --no-paci-weight-prediction" \
-      --run paci-predict="$PREDICT" \
-      --run paci-k4000="$PLAIN --paci-stale-grad-correction 4000" \
+      --run paci-plain="$PLAIN" --run paci-predict="$PREDICT" \
       -- "${PAPER[@]}" "${LR[@]}" --train-iters 2000 ;;
 report)  # the three report parts below, in this order
   for part in p4 p8 budget; do bash "$0" "$part" "$OUT"; done ;;
-p4) report_seeds "$OUT/p4" 4 1f1b,interleaved "${COOLDOWN[@]}" ;;
+p4) report_seeds "$OUT/p4" 4 1f1b,interleaved ;;
 p8)  # interleaved (v=2) needs 16 layers at P=8: the report projects it from 1F1B's curve
   report_seeds "$OUT/p8" 8 1f1b ;;
 budget)
   # 2000 x the projected throughput ratio (1.375 at P=4, M=8), cosine over it; 1f1b-long is
   # the control (the longer cosine alone). The full P=4 call, so the report holds every run.
-  report_seeds "$OUT/p4" 4 1f1b,interleaved "${COOLDOWN[@]}" \
+  report_seeds "$OUT/p4" 4 1f1b,interleaved \
       --run 1f1b-long="--pipeline-schedule 1f1b --train-iters 2750" \
       --run paci-plain-long="$PLAIN --train-iters 2750" \
       --run paci-candidate-long="--pipeline-schedule paci $CANDIDATE --train-iters 2750" ;;
 aggressive)
   compare --schedules 1f1b --seeds 1234,1235 --nproc-per-node 4 --out "$OUT/aggressive" \
-      --run paci-plain="$PLAIN" \
-      --run paci-w0.2="--pipeline-schedule paci --paci-stale-grad-weight 0.2 --no-paci-weight-prediction" \
-      --run paci-predict="$PREDICT" \
+      --run paci-plain="$PLAIN" --run paci-predict="$PREDICT" \
       -- "${CORPUS[@]}" --num-layers 4 --hidden-size 64 --num-attention-heads 4 \
       --seq-length 64 --micro-batch-size 2 --global-batch-size 16 --lr 2e-3 --min-lr 2e-4 \
       --lr-decay-style cosine --lr-warmup-iters 50 --train-iters 1000 --eval-interval 50 \

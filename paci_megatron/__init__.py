@@ -3,6 +3,6 @@ drift, selected with ``--pipeline-schedule paci``. See README.md."""
 
 from .quiet import silence_fallback_warnings
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 silence_fallback_warnings()  # before anything imports megatron.core (see quiet.py)

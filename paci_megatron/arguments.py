@@ -251,7 +251,7 @@ def validate(args: argparse.Namespace, world_size: int) -> PaciConfig:
         pipeline_size=pp, microbatches=ramp[0] if ramp else num_mb,
         micro_batch_size=args.micro_batch_size, data_parallel_size=dp, virtual=vpp is not None,
         ramp=tuple(ramp), tied=pp > 1 and not args.untie_embeddings_and_output_weights,
-        fp16=args.fp16, train_iters=args.train_iters))
+        fp16=args.fp16))
 
 
 def _validate_data_parallel_flags(args) -> None:

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 from .adapt import candidates
-from .features import FEATURES
-from .flag import ConfigError, Flag, bounded_float, bounded_int, positive
+from .features import METHODS, method_named
+from .flag import ConfigError, Flag, RemovedFlag, bounded_float, bounded_int, positive
 from .schedule import check_max_drift, check_per_call, plan_stream
 from .shape import StreamShape, local_steps_ramped
 from .simulate import ScheduleError, check_plan
@@ -51,14 +51,6 @@ CORE_FLAGS = (
     Flag("--paci-on-nonfinite", choices=("skip", "abort"), default="skip", neutral="skip",
          help="a NaN/Inf gradient at a stage's local step: skip that update (and count it) "
               "or stop the job"),
-    Flag("--paci-sync-iters", type=bounded_int("--paci-sync-iters", 0), default=0, neutral=0,
-         metavar="K", help="synchronous warm start: run the first K iterations as stock 1F1B "
-                           "(flush, one step per iteration), then PACI with no drain at the "
-                           "switch"),
-    Flag("--paci-cooldown-iters", type=bounded_int("--paci-cooldown-iters", 0), default=0,
-         neutral=0, metavar="K",
-         help="synchronous cool-down: run the last K iterations (of --train-iters) as stock "
-              "1F1B, after a drain, so the run ends on stock 1F1B in one launch"),
     Flag("--paci-drain-before-eval", switch=True,
          help="drain the pipeline before each evaluation (frees the in-flight activations; "
               "training then continues as if it had flushed there). Default: evaluate between "
@@ -76,9 +68,32 @@ CORE_FLAGS = (
 )
 
 
+# methods that lost their studies (benchmarks/studies/ keeps their numbers)
+_PREDICTION_INSTEAD = ("the default weight prediction replaced it (--no-paci-weight-prediction "
+                       "runs the paper's plain PACI); drop the flag")
+REMOVED_FLAGS = (
+    RemovedFlag("--paci-stale-grad-weight", "0.2.0",
+                "it doubled plain PACI's gap (studies 09, 10, 12); " + _PREDICTION_INSTEAD),
+    RemovedFlag("--paci-stale-grad-correction", "0.2.0",
+                "it trailed plain PACI (studies 11, 12); " + _PREDICTION_INSTEAD),
+    RemovedFlag("--paci-weight-prediction-schedule", "0.2.0",
+                "moving once a group lost to moving before every stale forward (study 14), "
+                "which the default weight prediction always does (--no-paci-weight-prediction "
+                "runs the paper's plain PACI); drop the flag"),
+    RemovedFlag("--paci-sync-iters", "0.2.0",
+                "the warm start took nothing off (study 08); to start on stock 1F1B, run K "
+                "iterations with --pipeline-schedule 1f1b --save DIR, then --load DIR "
+                "--pipeline-schedule paci (docs/operations.md, switching schedules)"),
+    RemovedFlag("--paci-cooldown-iters", "0.2.0",
+                "the cool-down did not recover the gap (study 12); to end on stock 1F1B, "
+                "--save DIR, then --load DIR --pipeline-schedule 1f1b (docs/operations.md, "
+                "switching schedules)"),
+)
+
+
 def paci_flags() -> Tuple[Flag, ...]:
-    """Every PACI flag: the schedule, the core ones, each stage feature's."""
-    return (SCHEDULE_FLAG,) + CORE_FLAGS + tuple(f for cls in FEATURES for f in cls.FLAGS)
+    """Every PACI flag: the schedule, the core ones, each method's."""
+    return (SCHEDULE_FLAG,) + CORE_FLAGS + tuple(f for method in METHODS for f in method.FLAGS)
 
 
 def add_paci_arguments(parser: argparse.ArgumentParser, schedule_default: str,
@@ -88,6 +103,8 @@ def add_paci_arguments(parser: argparse.ArgumentParser, schedule_default: str,
     group = parser.add_argument_group(title=title)
     for flag in paci_flags():
         flag.add_to(group, default=schedule_default if flag is SCHEDULE_FLAG else None)
+    for removed in REMOVED_FLAGS:
+        removed.add_to(group)
     return parser
 
 
@@ -103,7 +120,6 @@ class Layout:
     ramp: Tuple[int, ...] = ()  # every M --rampup-batch-size goes through
     tied: bool = False  # input and output embeddings tied across stages (P > 1)
     fp16: bool = False
-    train_iters: Optional[int] = None  # None: the run's length is not known in iterations
 
 
 @dataclass(frozen=True)
@@ -119,21 +135,18 @@ class PaciConfig:
     adapt_interval: int = 0  # --paci-accumulation-factor auto: decide every N iterations
     adapt_tolerance: float = 0.0
     adapt_policy: str = "staleness"
-    stale_grad_weight: float = 1.0
-    stale_grad_correction: float = 0.0
-    weight_prediction: bool = False  # --paci-weight-prediction, or its default
-    prediction_per_group: bool = False  # --paci-weight-prediction-schedule per-group
-    prediction_overlap: bool = False  # --paci-weight-prediction-overlap
-    lookahead: float = 0.0  # --paci-lookahead C
-    prediction_off: str = ""  # why the default prediction is off for this run ("": it is not)
+    # (name, settings) of each convergence method this run runs, in features.METHODS' order
+    methods: Tuple[Tuple[str, object], ...] = ()
+    notes: Tuple[str, ...] = ()  # start-up lines: why a method's default is off for this run
+
+    def method(self, name: str):
+        """That method's resolved settings, None when this run does not run it."""
+        method_named(name)  # a misspelt name is an error, not "off"
+        return dict(self.methods).get(name)
 
     @property
     def accumulation(self) -> int:
         return self.shape.accumulation
-
-    @property
-    def sync_iters(self) -> int:
-        return self.shape.sync_iters
 
     @property
     def auto(self) -> bool:
@@ -144,8 +157,7 @@ class PaciConfig:
         there); ``ramp``: each iteration's micro-batches under --rampup-batch-size."""
         if ramp is None:
             return self.shape.local_steps_before(iteration)
-        return local_steps_ramped(ramp, None if self.accumulation_follows else self.accumulation,
-                                  self.sync_iters, self.shape.cooldown_start)
+        return local_steps_ramped(ramp, None if self.accumulation_follows else self.accumulation)
 
 
 def resolve(args, layout: Layout) -> PaciConfig:
@@ -159,8 +171,8 @@ def resolve(args, layout: Layout) -> PaciConfig:
                                                 layout.microbatches, layout.micro_batch_size,
                                                 layout.data_parallel_size))
     _check_fp16_scales(args, layout)
-    for feature in FEATURES:
-        feature.check(args, layout)
+    for method in METHODS:
+        method.check(args, layout)
     auto = args.paci_accumulation_factor == "auto"
     adapt = _adapt_settings(args, auto, layout)
     follows = args.paci_accumulation_factor is None
@@ -172,67 +184,20 @@ def resolve(args, layout: Layout) -> PaciConfig:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     shape = StreamShape(layout.pipeline_size, accumulation, layout.microbatches,
-                        layout.micro_batch_size, layout.data_parallel_size,
-                        args.paci_sync_iters or 0, _cooldown_start(args, layout))
+                        layout.micro_batch_size, layout.data_parallel_size)
     cfg = PaciConfig(
         "paci", shape, accumulation_follows=follows, max_drift=args.paci_max_drift,
         on_nonfinite=args.paci_on_nonfinite or "skip",
         drain_before_eval=bool(args.paci_drain_before_eval), **adapt,
-        stale_grad_weight=_resolved(args.paci_stale_grad_weight, _default_weight()),
-        stale_grad_correction=_resolved(args.paci_stale_grad_correction, _default_strength()),
-        lookahead=getattr(args, "paci_lookahead", None) or 0.0, **_prediction(args))
+        methods=tuple((m.name, settings) for m in METHODS
+                      if (settings := m.settings(args)) is not None),
+        notes=tuple(note for m in METHODS if (note := m.off_note(args))))
     check_plans(cfg, layout)
     return cfg
 
 
-def _cooldown_start(args, layout: Layout) -> Optional[int]:
-    """--paci-cooldown-iters K: the iteration the stock-1F1B cool-down starts at."""
-    cooldown = getattr(args, "paci_cooldown_iters", 0) or 0
-    if not cooldown:
-        return None
-    if layout.train_iters is None:
-        raise ConfigError(f"--paci-cooldown-iters {cooldown} needs the run's length in "
-                          "iterations: give --train-iters (not --train-samples)")
-    if cooldown > layout.train_iters:
-        raise ConfigError(f"--paci-cooldown-iters {cooldown} is longer than the run "
-                          f"(--train-iters {layout.train_iters}); lower it")
-    return layout.train_iters - cooldown
-
-
 def _resolved(value, default):
     return default if value is None else value
-
-
-def _prediction(args) -> dict:
-    from .features.weight_prediction import (OVERLAP_FLAG, PER_GROUP, SCHEDULE_FLAG,
-                                             prediction_setting)
-
-    on, why = prediction_setting(args)
-    schedule = getattr(args, SCHEDULE_FLAG.dest, None)
-    for flag, value in ((SCHEDULE_FLAG, schedule), (OVERLAP_FLAG, None)):
-        if flag.is_set(args) and not on:
-            raise ConfigError(f"{flag.name}{' ' + value if value else ''} needs the weight "
-                              f"prediction, which is off for this run"
-                              f"{': it ' + why if why else ''}; drop {flag.name}")
-    overlap = bool(getattr(args, OVERLAP_FLAG.dest, False))
-    if overlap and schedule == PER_GROUP:
-        raise ConfigError("--paci-weight-prediction-overlap moves and restores around each "
-                          "forward; --paci-weight-prediction-schedule per-group moves once a "
-                          "group and never restores: drop one of them")
-    return dict(weight_prediction=on, prediction_off=why, prediction_per_group=on
-                and schedule == PER_GROUP, prediction_overlap=on and overlap)
-
-
-def _default_weight() -> float:
-    from .features.stale_weights import DEFAULT_WEIGHT
-
-    return DEFAULT_WEIGHT
-
-
-def _default_strength() -> float:
-    from .features.stale_correction import DEFAULT_STRENGTH
-
-    return DEFAULT_STRENGTH
 
 
 def _check_schedule(schedule: str, layout: Layout) -> None:

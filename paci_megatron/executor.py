@@ -68,9 +68,7 @@ class DriftStats:
     histogram: Counter = field(default_factory=Counter)
     # (mb, fwd_version, bwd_version) of the most recent backwards
     log: Deque[tuple] = field(default_factory=lambda: deque(maxlen=4096))
-    # drift summed over the backwards since the last step (the group the next step applies)
-    group_drift: int = 0
-    group_backwards: int = 0
+    group_backwards: int = 0  # since the last step (the group the next step applies)
 
     def on_forward(self, mb: int) -> None:
         self.fwd_version[mb] = self.version
@@ -82,17 +80,11 @@ class DriftStats:
             raise DriftBoundExceeded(self.stage, mb, fwd, self.version, self.bound)
         self.histogram[drift] += 1
         self.log.append((mb, fwd, self.version))
-        self.group_drift += drift
         self.group_backwards += 1
 
     def on_step(self) -> None:
         self.version += 1
-        self.group_drift = self.group_backwards = 0
-
-    @property
-    def group_mean_drift(self) -> float:
-        """Mean drift of the backwards whose gradients the next step applies."""
-        return self.group_drift / self.group_backwards if self.group_backwards else 0.0
+        self.group_backwards = 0
 
     def forget_in_flight(self) -> List[int]:
         """Drop micro-batches whose forward ran but whose backward never will (a drain)."""

@@ -107,3 +107,26 @@ class Flag:
     def is_set(self, args) -> bool:
         value = getattr(args, self.dest, None)
         return value is not None and value != self.neutral and value is not False
+
+
+@dataclass(frozen=True)
+class RemovedFlag:
+    """A flag a release took out: given, it stops the parse with what replaced it (kept for
+    one release after the removal, then dropped from the table)."""
+
+    name: str
+    release: str  # the release that removed it
+    instead: str  # what replaced it, as a sentence that names the flags to use
+
+    def message(self) -> str:
+        return f"was removed in paci-megatron {self.release}: {self.instead}"
+
+    def add_to(self, group) -> None:
+        removed = self
+
+        class Refuse(argparse.Action):
+            def __call__(self, parser, namespace, values, option_string=None):
+                raise argparse.ArgumentError(self, removed.message())
+
+        group.add_argument(self.name, nargs="?", action=Refuse, dest=argparse.SUPPRESS,
+                           default=argparse.SUPPRESS, help=argparse.SUPPRESS)

@@ -10,7 +10,6 @@ from typing import Dict, List, Optional
 
 from .features import method_cost_lines
 from .features.base import optimizer_of
-from .features.weight_prediction import default_off_line
 from .mcore import build, nadam
 from .mcore import runtime as mcore_runtime
 from .restart import trim_metrics
@@ -154,14 +153,10 @@ def log_start(job) -> None:
         f"DP={info['dp_size']} micro-batches/iteration={args.num_microbatches} a="
         + (f"auto (from {opts.accumulation}, every {opts.adapt_interval} iterations, "
            f"policy {opts.adapt_policy})" if opts.auto else f"{opts.accumulation}")
-        + (f", stock 1F1B for the first {opts.sync_iters} iterations (--paci-sync-iters)"
-           if opts.sync_iters else "")
-        + (f", stock 1F1B from iteration {opts.shape.cooldown_start + 1} on "
-           "(--paci-cooldown-iters)" if opts.shape.cooldown_start is not None else "")
         + (f", {features}" if features else ""))
     log(optimizer_line(args))
-    if opts.prediction_off:
-        log(default_off_line(opts.prediction_off))
+    for note in opts.notes:
+        log(note)
 
 
 def optimizer_line(args) -> str:

@@ -1,7 +1,6 @@
 """Which plan each forward-backward call runs, decided between calls.
 
-``PlanPolicy``: the stock-1F1B warm-up of --paci-sync-iters (the flush plan with one step per
-call), then PACI with a fixed accumulation factor. ``AdaptivePlan`` (--paci-accumulation-factor
+``PlanPolicy``: a fixed accumulation factor. ``AdaptivePlan`` (--paci-accumulation-factor
 auto): the factor is chosen between calls by ``adapt.Adaptive`` from a signal every rank
 measures at its steps (``WeightChange``) and reduces without blocking. Torch (for that
 reduction), no Megatron.
@@ -15,32 +14,18 @@ from typing import Dict, Optional
 from .adapt import Adaptive, bound_in_call, staleness
 from .features.base import StageContext, StageFeature
 from .schedule import StreamPlan, plan_stream
-from .shape import is_stock
 
 
 class PlanPolicy:
-    """A fixed accumulation factor, between ``sync_calls`` calls of stock 1F1B at the start
-    and a stock-1F1B cool-down from call ``cooldown_start`` on."""
+    """A fixed accumulation factor: every call runs the same plan."""
 
-    def __init__(self, kind: str, num_stages: int, accumulation: int, sync_calls: int = 0,
-                 cooldown_start: Optional[int] = None):
+    def __init__(self, kind: str, num_stages: int, accumulation: int):
         self.kind = kind
         self.num_stages = num_stages
         self.factor = accumulation  # the a of the plans this policy hands out
-        self.sync_calls = sync_calls if kind == "paci" else 0
-        self.cooldown_start = cooldown_start if kind == "paci" else None
         self.features: tuple = ()  # stage features the policy needs (a meter)
 
-    def kind_at(self, calls_done: int) -> str:
-        """"flush" during the warm-up and the cool-down, else the runtime's kind."""
-        stock = is_stock(calls_done, self.sync_calls, self.cooldown_start)
-        return "flush" if self.kind == "paci" and stock else self.kind
-
     def plan(self, calls_done: int, per_call: int, tied: bool) -> StreamPlan:
-        """The warm-up runs the flush plan with one step per call: stock 1F1B (loss scaled by
-        1/N, LR advanced by the whole batch, grad norm over all stages)."""
-        if self.kind_at(calls_done) != self.kind:
-            return plan_stream("flush", self.num_stages, per_call, per_call)
         return plan_stream(self.kind, self.num_stages, self.factor, per_call, tied)
 
     def before_call(self, rt, plan: StreamPlan) -> StreamPlan:
@@ -98,9 +83,8 @@ class AdaptivePlan(PlanPolicy):
     While micro-batches forwarded under a larger a are in flight, the drift guard allows the
     bound of the smaller a (``adapt.bound_in_call``)."""
 
-    def __init__(self, num_stages: int, adaptive: Adaptive, sync_calls: int = 0,
-                 max_drift: Optional[int] = None, cooldown_start: Optional[int] = None):
-        super().__init__("paci", num_stages, adaptive.current, sync_calls, cooldown_start)
+    def __init__(self, num_stages: int, adaptive: Adaptive, max_drift: Optional[int] = None):
+        super().__init__("paci", num_stages, adaptive.current)
         self.adaptive = adaptive
         self.max_drift = max_drift
         self.meter = WeightChange()
@@ -136,8 +120,7 @@ class AdaptivePlan(PlanPolicy):
         ad = self.adaptive
         grown = [d for d, n in rt.drift.histogram.items() if n > self._before.get(d, 0)]
         self.call_drift[rt.calls_done - 1] = max(grown, default=0)
-        if self._pending is not None or not ad.request_due(rt.calls_done) \
-                or self.kind_at(rt.calls_done) != "paci":
+        if self._pending is not None or not ad.request_due(rt.calls_done):
             return
         value = staleness(self.meter.take(), self.num_stages, rt.stage)
         device = torch.device("cuda", torch.cuda.current_device()) \

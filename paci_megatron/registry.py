@@ -21,8 +21,8 @@ class ScheduleEntry:
 
 
 def make_paci_runtime(cfg: PaciConfig):
-    """The PACI runtime a resolved configuration asks for: its plan policy (the warm-up, a
-    fixed or an automatic a) and its stage features."""
+    """The PACI runtime a resolved configuration asks for: its plan policy (a fixed or an
+    automatic a) and its stage features."""
     from .adapt import Adaptive, candidates
     from .features import build_features
     from .mcore.runtime import PaciRuntime
@@ -33,11 +33,9 @@ def make_paci_runtime(cfg: PaciConfig):
         adaptive = Adaptive(shape.num_stages, shape.per_call,
                             candidates(shape.num_stages, shape.per_call, cfg.max_drift),
                             cfg.adapt_interval, cfg.adapt_tolerance, cfg.adapt_policy)
-        policy = AdaptivePlan(shape.num_stages, adaptive, shape.sync_iters, cfg.max_drift,
-                              shape.cooldown_start)
+        policy = AdaptivePlan(shape.num_stages, adaptive, cfg.max_drift)
     else:
-        policy = PlanPolicy("paci", shape.num_stages, shape.accumulation, shape.sync_iters,
-                            shape.cooldown_start)
+        policy = PlanPolicy("paci", shape.num_stages, shape.accumulation)
     runtime = PaciRuntime(accumulation=shape.accumulation, max_drift=cfg.max_drift,
                           on_nonfinite=cfg.on_nonfinite, policy=policy,
                           features=build_features(cfg))

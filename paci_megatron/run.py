@@ -40,7 +40,6 @@ from .autograd_versions import ZERO_CENTERED_GAMMA
 from .config import (Layout, PaciConfig, add_paci_arguments, rampup_micro_batches,
                      refuse_paci_flags, resolve)
 from .features import method_cost_lines
-from .features.weight_prediction import default_off_line
 from .flag import ConfigError
 from .quiet import exit_after_local_rank0, fallback_notice
 from .restart import restart_count
@@ -115,8 +114,7 @@ def megatron_lm_layout(args, num_microbatches: Optional[int] = None) -> Layout:
                   micro_batch_size=args.micro_batch_size, data_parallel_size=dp,
                   virtual=virtual, ramp=tuple(ramp),
                   tied=pp > 1 and not args.untie_embeddings_and_output_weights,
-                  fp16=bool(getattr(args, "fp16", False)),
-                  train_iters=getattr(args, "train_iters", None))
+                  fp16=bool(getattr(args, "fp16", False)))
 
 
 def validate_flags(args: argparse.Namespace) -> Optional[PaciConfig]:
@@ -224,14 +222,10 @@ def make_runtime(margs, num_microbatches: int, optimizer, scheduler):
               f"{shape.accumulation} of {shape.per_call} micro-batches per iteration "
               f"({shape.steps_per_call} local steps per stage and iteration), "
               f"{shape.num_stages} stages"
-              + (f", stock 1F1B for the first {shape.sync_iters} iterations" if shape.sync_iters
-                 else "")
-              + (f", stock 1F1B from iteration {shape.cooldown_start + 1} on"
-                 if shape.cooldown_start is not None else "")
               + (f", {runtime.describe()}" if runtime.describe() else ", plain PACI"),
               flush=True)
-        if cfg.prediction_off:
-            print(default_off_line(cfg.prediction_off), flush=True)
+        for note in cfg.notes:
+            print(note, flush=True)
     return runtime
 
 

@@ -40,41 +40,17 @@ def tied_lag(num_stages: int, accumulation: int) -> int:
     return math.ceil(num_stages / accumulation)
 
 
-def is_stock(iteration: int, sync_iters: int = 0, cooldown_start: Optional[int] = None) -> bool:
-    """Iteration ``iteration`` (0-based) runs stock 1F1B: the warm-up (--paci-sync-iters) or
-    the cool-down (--paci-cooldown-iters, from iteration ``cooldown_start`` on)."""
-    return iteration < sync_iters or (cooldown_start is not None and iteration >= cooldown_start)
-
-
-def stock_iterations(iterations: float, sync_iters: int = 0,
-                     cooldown_start: Optional[int] = None) -> float:
-    """How many of the first ``iterations`` iterations run stock 1F1B."""
-    stock = min(iterations, sync_iters)
-    if cooldown_start is not None:
-        stock += max(0.0, iterations - max(cooldown_start, sync_iters))
-    return stock
-
-
-def local_steps(iterations: float, per_call: int, accumulation: int, sync_iters: int = 0,
-                cooldown_start: Optional[int] = None) -> float:
+def local_steps(iterations: float, per_call: int, accumulation: int) -> float:
     """Optimizer steps a stage takes in ``iterations`` iterations of N = ``per_call``
-    micro-batches: one per stock-1F1B iteration (warm-up and cool-down), N / a per PACI one.
-    Fractional iterations give fractional steps (the projection interpolates)."""
-    stock = stock_iterations(iterations, sync_iters, cooldown_start)
-    return stock + (iterations - stock) * (per_call // accumulation)
+    micro-batches: N / a an iteration. Fractional iterations give fractional steps (the
+    projection interpolates)."""
+    return iterations * (per_call // accumulation)
 
 
-def local_steps_ramped(microbatches: Iterable[int], accumulation: Optional[int],
-                       sync_iters: int = 0, cooldown_start: Optional[int] = None) -> int:
+def local_steps_ramped(microbatches: Iterable[int], accumulation: Optional[int]) -> int:
     """Local steps over iterations whose micro-batch counts are ``microbatches`` (in order,
     --rampup-batch-size); ``accumulation`` None: a follows N (one step per iteration)."""
-    steps = 0
-    for it, num_mb in enumerate(microbatches):
-        if is_stock(it, sync_iters, cooldown_start) or accumulation is None:
-            steps += 1
-        else:
-            steps += num_mb // accumulation
-    return steps
+    return sum(1 if accumulation is None else num_mb // accumulation for num_mb in microbatches)
 
 
 @dataclass(frozen=True)
@@ -86,8 +62,6 @@ class StreamShape:
     per_call: int
     micro_batch_size: int = 1
     data_parallel_size: int = 1
-    sync_iters: int = 0
-    cooldown_start: Optional[int] = None  # the first iteration of the stock-1F1B cool-down
 
     def closes_group(self, mb: int) -> bool:
         return closes_group(mb, self.accumulation)
@@ -104,8 +78,7 @@ class StreamShape:
 
     def local_steps_before(self, iteration: int) -> int:
         """Local steps every stage has taken when ``iteration`` iterations are done."""
-        return int(local_steps(iteration, self.per_call, self.accumulation, self.sync_iters,
-                               self.cooldown_start))
+        return int(local_steps(iteration, self.per_call, self.accumulation))
 
     def drift_bound(self, stage: int) -> int:
         return drift_bound(self.num_stages, stage, self.accumulation)

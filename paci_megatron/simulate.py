@@ -46,37 +46,27 @@ class _PredictedCosts(Costs):
         return self.of(action) + (self.predict if stale else 0.0)
 
 
-def _predicted_forwards(plan, calls: int, num_stages: int, per_group: bool):
+def _predicted_forwards(plan, calls: int, num_stages: int):
     """(stage, micro-batch) of every forward whose backward comes after a local step (the
-    lists say which); ``per_group``: only the first such forward of each group."""
-    out = set()
-    for s in range(num_stages):
-        moved = False
-        for k in range(calls):
-            for act in plan.call(k)[s]:
-                if act.op is Op.STEP:
-                    moved = False
-                elif act.op is Op.FORWARD and plan.steps_before_backward(k, s, act.mb):
-                    if not (per_group and moved):
-                        out.add((s, act.mb))
-                    moved = True
-    return frozenset(out)
+    lists say which)."""
+    return frozenset((s, act.mb) for s in range(num_stages) for k in range(calls)
+                     for act in plan.call(k)[s]
+                     if act.op is Op.FORWARD and plan.steps_before_backward(k, s, act.mb))
 
 
 def seconds_per_call(kind: str, num_stages: int, accumulation: int, per_call: int,
                      costs: Costs, warmup: int = 2, timed: int = 4,
-                     predicts: bool = False, per_group: bool = False) -> float:
+                     predicts: bool = False) -> float:
     """Steady-state time of one forward-backward call: the calls of ``plan_stream`` run in
     lockstep; per stage, the time from the end of its warm-up calls to its last action, over
     ``timed`` calls; the slowest stage. ``predicts``: every forward whose backward comes
-    after a local step costs ``costs.predict`` more (``per_group``: the first of each
-    group)."""
+    after a local step costs ``costs.predict`` more."""
     plan = plan_stream(kind, num_stages, accumulation, per_call)
     calls = warmup + timed
     lists = tuple(tuple(act for k in range(calls) for act in plan.call(k)[s])
                   for s in range(num_stages))
     if predicts and costs.predict:
-        stale = _predicted_forwards(plan, calls, num_stages, per_group)
+        stale = _predicted_forwards(plan, calls, num_stages)
         costs = _PredictedCosts(**dataclasses.asdict(costs), forwards=stale)
     events = run_lockstep(Schedule(f"{kind}-stream", num_stages, accumulation,
                                    calls * per_call, lists), costs)

@@ -28,11 +28,10 @@ def mean_forwards(rows: List[dict], key: str) -> float:
 
 
 def projected_throughput(rows: List[dict], per_predicted_forward: float = 0.0,
-                         per_step: float = 0.0, per_group: bool = False
-                         ) -> Tuple[float, float]:
+                         per_step: float = 0.0) -> Tuple[float, float]:
     """(with the method, plain PACI) throughput over 1F1B's, M = a, a backward costing two
-    forwards: the method's cost, in forwards, on each forward it predicts (``per_group``: the
-    first of each group) and each local step. In 1F1B's tight steady state a stage's extra
+    forwards: the method's cost, in forwards, on each forward it predicts and each local
+    step. In 1F1B's tight steady state a stage's extra
     work stalls its neighbours too, so the lists, not the slowest stage, say what it costs."""
     steps = max(r["steps"] for r in rows)
     backwards = max(sum(r["histogram"].values()) for r in rows)
@@ -42,6 +41,5 @@ def projected_throughput(rows: List[dict], per_predicted_forward: float = 0.0,
     costs = dataclasses.replace(unit, step=per_step, predict=per_predicted_forward)
     flush = seconds_per_call("flush", P, a, a, unit)
     plain = flush / seconds_per_call("paci", P, a, a, unit)
-    with_it = flush / seconds_per_call("paci", P, a, a, costs, predicts=True,
-                                       per_group=per_group)
+    with_it = flush / seconds_per_call("paci", P, a, a, costs, predicts=True)
     return with_it, plain

@@ -37,8 +37,7 @@ DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 CONFIGS: Dict[str, tuple] = {
     "p2_default": (2, ["--global-batch-size", "8"] + DROPOUT),
     "p4_plain_untied": (4, UNTIED + ["--global-batch-size", "16", "--paci-accumulation-factor",
-                                     "2", "--paci-stale-grad-weight", "1",
-                                     "--paci-drain-before-eval"] + DROPOUT),
+                                     "2", "--paci-drain-before-eval"] + DROPOUT),
     "p4_bf16_tied": (4, ["--bf16", "--global-batch-size", "8", "--paci-accumulation-factor", "2"]),
     "p2_fp16": (2, UNTIED + ["--fp16", "--initial-loss-scale", "65536", "--loss-scale-window",
                              "2", "--global-batch-size", "8", "--paci-accumulation-factor", "2"]),
@@ -50,11 +49,8 @@ CONFIGS: Dict[str, tuple] = {
     "p4_auto": (4, UNTIED + ["--global-batch-size", "8", "--train-iters", "8",
                              "--paci-accumulation-factor", "auto", "--paci-adapt-interval", "2",
                              "--paci-adapt-policy", "cycle"]),
-    "p2_sync": (2, UNTIED + ["--global-batch-size", "8", "--paci-accumulation-factor", "1",
-                             "--paci-sync-iters", "2"] + DROPOUT),
-    "p4_correction": (4, UNTIED + ["--global-batch-size", "16", "--paci-accumulation-factor",
-                                   "2", "--paci-stale-grad-weight", "0.5",
-                                   "--paci-stale-grad-correction", "2000"]),
+    "p2_a1": (2, UNTIED + ["--global-batch-size", "8", "--paci-accumulation-factor", "1"]
+              + DROPOUT),
     "p2_rampup": (2, UNTIED + ["--global-batch-size", "8", "--rampup-batch-size", "4", "4",
                                "16"]),
     "p2_1f1b": (2, ["--pipeline-schedule", "1f1b", "--global-batch-size", "8"] + DROPOUT),
@@ -62,12 +58,9 @@ CONFIGS: Dict[str, tuple] = {
                                     "--num-layers-per-virtual-pipeline-stage", "1",
                                     "--global-batch-size", "8"]),
     "p2_per_token_untied": (2, UNTIED + ["--calculate-per-token-loss", "--global-batch-size",
-                                         "8", "--paci-accumulation-factor", "2",
-                                         "--paci-stale-grad-weight", "0.5"]),
-    # the tied + per-token + stale-weight scaling is a known bug (issue 21): expected to change
-    "p2_per_token_tied_stale": (2, ["--calculate-per-token-loss", "--global-batch-size", "8",
-                                    "--paci-accumulation-factor", "1",
-                                    "--paci-stale-grad-weight", "0.5"]),
+                                         "8", "--paci-accumulation-factor", "2"]),
+    "p2_per_token_tied": (2, ["--calculate-per-token-loss", "--global-batch-size", "8",
+                              "--paci-accumulation-factor", "1"]),
     "p4_recompute_a1": (4, UNTIED + ["--global-batch-size", "8", "--paci-accumulation-factor",
                                      "1", "--recompute-granularity", "full",
                                      "--recompute-method", "uniform"] + DROPOUT),
@@ -86,11 +79,11 @@ MLM_FLAGS = [
     "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "paci"]
 MLM_CONFIGS = {
     "mlm_untied": ["--untie-embeddings-and-output-weights", "--paci-accumulation-factor", "2"],
-    "mlm_tied_correction": ["--paci-accumulation-factor", "1", "--paci-stale-grad-weight", "0.5",
-                            "--paci-stale-grad-correction", "2000"],
+    "mlm_tied": ["--paci-accumulation-factor", "1"],
 }
 TIMINGS = {"wall_s", "elapsed_ms", "tokens_per_sec", "peak_memory_mb", "peak_rss_mb",
-           "peak_activation_mb", "memory"}
+           "peak_activation_mb", "memory", "forward_ms", "predict_ms", "lookahead_ms",
+           "method_forward_ms"}
 MLM_LINE = re.compile(r"(iteration\s+\d+/\s*\d+ \|.*?lm loss: \S+ \|.*?grad norm: \S+ \|)"
                       r"|(> PACI stage \d+: .*)|(> PACI tied embedding: .*)")
 

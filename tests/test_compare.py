@@ -1,6 +1,6 @@
 """The compare tool end to end on mock data: a built-in run and a named variant
 (``--run``), two seeds (``--seeds``), a report with time to accuracy and plots; and, from the
-same runs, ``--paci-sync-iters``: its first iterations equal stock 1F1B bit for bit."""
+same runs, the variant's local steps and drift beside stock 1F1B."""
 
 import json
 import math
@@ -14,16 +14,14 @@ from launch import REPO, paci_summary, read_metrics
 pytestmark = pytest.mark.dist
 
 SEEDS = (1234, 1235)
-K = 2  # --paci-sync-iters of the named variant, with a = 4 of M = 8 (two steps an iteration)
 ITERS = 6
-NAME = f"paci-a4-sync{K}"
+NAME = "paci-a4"  # a = 4 of M = 8: two local steps an iteration
 
 
 def _compare(out, *extra, iters=ITERS):
     return subprocess.run(
         [sys.executable, "-m", "paci_megatron.tools.compare", "--schedules", "1f1b",
-         "--run", f"{NAME}=--pipeline-schedule paci --paci-accumulation-factor 4 "
-         f"--paci-sync-iters {K}",
+         "--run", f"{NAME}=--pipeline-schedule paci --paci-accumulation-factor 4",
          "--seeds", ",".join(map(str, SEEDS)), "--timeout", "400", "--out", str(out), *extra,
          "--", "--untie-embeddings-and-output-weights", "--num-layers", "2", "--hidden-size",
          "32", "--seq-length", "16", "--train-iters", str(iters), "--measure-activation-memory"],
@@ -103,25 +101,21 @@ def _summary(out, name, seed):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_sync_iters_run_stock_1f1b_first_then_paci(compared, seed):
+def test_the_named_variant_runs_paci_beside_stock_1f1b(compared, seed):
     out, _ = compared
-    stock, sync = _metrics(out, "1f1b", seed), _metrics(out, NAME, seed)
+    stock, paci = _metrics(out, "1f1b", seed), _metrics(out, NAME, seed)
     stock_loss = [float(x).hex() for x in _train(stock, "lm_loss")]
-    sync_loss = [float(x).hex() for x in _train(sync, "lm_loss")]
-    assert len(stock_loss) == len(sync_loss) == ITERS
-    # the first K iterations are stock 1F1B bit for bit: losses (scaled by 1/M, not 1/a),
-    # the grad norm over all stages, the LR advanced by the whole batch
-    assert sync_loss[:K] == stock_loss[:K]
-    assert _train(sync, "grad_norm")[:K] == _train(stock, "grad_norm")[:K]
-    # then PACI with a = 4: a local step inside every iteration, so every later loss differs
-    assert all(a != b for a, b in zip(sync_loss[K:], stock_loss[K:]))
-    assert _train(sync, "lr") == _train(stock, "lr")  # two steps of 4 = one of 8, for the LR
+    paci_loss = [float(x).hex() for x in _train(paci, "lm_loss")]
+    assert len(stock_loss) == len(paci_loss) == ITERS
+    # a local step inside every iteration: from the first on, every loss differs
+    assert all(a != b for a, b in zip(paci_loss, stock_loss))
+    assert _train(paci, "lr") == _train(stock, "lr")  # two steps of 4 = one of 8, for the LR
     drift = _summary(out, NAME, seed)["drift"]
     assert [row["max"] for row in drift] == [row["bound"] for row in drift] == [1, 0]
-    assert [row["steps"] for row in drift] == [K + (ITERS - K) * 2] * 2
-    # no drift during the warm-up: at P=2 each PACI step leaves one stage-0 forward in flight
-    # across it (drift 1), except the last one, whose forward the final drain drops
-    assert drift[0]["histogram"].get("1") == (ITERS - K) * 2 - 1
+    assert [row["steps"] for row in drift] == [ITERS * 2] * 2
+    # at P=2 each step leaves one stage-0 forward in flight across it (drift 1), except the
+    # last one, whose forward the final drain drops
+    assert drift[0]["histogram"].get("1") == ITERS * 2 - 1
 
 
 def test_runs_that_do_not_predict_say_nothing_of_its_cost(compared):
@@ -191,8 +185,6 @@ def test_reuse_reads_finished_runs_back_and_reruns_changed_ones(compared, tmp_pa
     (["--bf16", "--no-paci-weight-prediction"], "plain", False),
     (["--bf16", "--paci-lookahead", "0.5"], "look-ahead C=0.5", False),
     (["--bf16", "--paci-weight-prediction"], "prediction per-forward", False),
-    (["--bf16", "--paci-weight-prediction", "--paci-weight-prediction-schedule", "per-group"],
-     "prediction per-group", False),
 ])
 def test_run_method_names_the_method_and_whether_the_default_chose_it(extra, method, by_default):
     from paci_megatron.tools.compare import run_method

@@ -12,6 +12,9 @@ from launch import REPO
 from paci_megatron.tools import tta
 from paci_megatron.tools.compare import CompareError, build_parser, _cost_flags, timing_flags
 from paci_megatron.simulate import Costs
+from paci_megatron.features import WeightPrediction
+
+PREDICT = (WeightPrediction.COST,)  # a run that predicts: its method's pass
 
 pytestmark = pytest.mark.dist
 
@@ -45,7 +48,7 @@ def test_the_projection_uses_the_measured_costs(measured):
     own = final["predict_ms"][0] / final["method_forward_ms"][0]
     timed = Costs(costs["forward_ms"] / 1e3, costs["backward_ms"] / 1e3,
                   costs["step_ms"] / 1e3, predict=own * costs["forward_ms"] / 1e3)
-    _, paci = tta.seconds_per_iteration(tta.RunShape("paci", 2, 8, 8, predicts=True), timed)
+    _, paci = tta.seconds_per_iteration(tta.RunShape("paci", 2, 8, 8, passes=PREDICT), timed)
     assert paci > tta.seconds_per_iteration(tta.RunShape("paci", 2, 8, 8), timed)[1]
     report = (out / "report.md").read_text()
     row = next(l for l in report.splitlines() if l.startswith("| paci |"))
@@ -69,7 +72,7 @@ def test_the_report_says_what_the_prediction_cost_in_the_run(measured):
 
 
 def test_timing_flags_make_a_one_stage_model():
-    flags = ["--num-layers", "8", "--hidden-size", "64", "--save", "ckpt", "--paci-sync-iters",
+    flags = ["--num-layers", "8", "--hidden-size", "64", "--save", "ckpt", "--paci-max-drift",
              "3", "--pipeline-model-parallel-size=4", "--measure-memory", "--lr", "1e-3"]
     assert timing_flags(flags, 2) == ["--hidden-size", "64", "--lr", "1e-3", "--num-layers", "2",
                                       "--pipeline-model-parallel-size", "1",

@@ -37,8 +37,7 @@ def test_main_job_trains(schedule, function):
         assert all("startup_exchange" not in row for row in summary.get("drift", []))
 
 
-CONVERGENCE_FLAGS = ("--paci-stale-grad-weight", "--paci-stale-grad-correction",
-                     "--paci-weight-prediction")
+CONVERGENCE_FLAGS = ("--paci-weight-prediction", "--paci-lookahead")
 
 
 def plain_paci_flags():
@@ -53,11 +52,9 @@ def plain_paci_flags():
 
 
 def default_is_plain_paci() -> bool:
-    from paci_megatron.features.stale_correction import DEFAULT_STRENGTH
-    from paci_megatron.features.stale_weights import DEFAULT_WEIGHT
     from paci_megatron.features.weight_prediction import DEFAULT_PREDICTION
 
-    return DEFAULT_WEIGHT == 1.0 and DEFAULT_STRENGTH == 0.0 and not DEFAULT_PREDICTION
+    return not DEFAULT_PREDICTION
 
 
 def test_the_default_paci_reaches_the_runtime():

@@ -5,6 +5,7 @@ import pytest
 
 from messages import error_line, names_flag
 from paci_megatron.arguments import build_parser, parse_and_validate
+from paci_megatron.config import REMOVED_FLAGS
 
 BASE = ["--untie-embeddings-and-output-weights"]
 BAD_VALUES = ["-1", "0", "abc", "", "1e400"]
@@ -13,8 +14,8 @@ BAD_VALUES = ["-1", "0", "abc", "", "1e400"]
 ACCEPTED = {
     ("--seed", "0"), ("--lr", "0"), ("--min-lr", "0"), ("--weight-decay", "0"),
     ("--hidden-dropout", "0"), ("--attention-dropout", "0"), ("--clip-grad", "0"),
-    ("--lr-warmup-iters", "0"), ("--paci-sync-iters", "0"), ("--paci-cooldown-iters", "0"), ("--adam-beta1", "0"), ("--adam-beta2", "0"),
-    ("--paci-stale-grad-correction", "0"), ("--paci-lookahead", "0"),
+    ("--lr-warmup-iters", "0"), ("--adam-beta1", "0"), ("--adam-beta2", "0"),
+    ("--paci-lookahead", "0"),
     ("--save", "abc"), ("--save", "0"), ("--save", "-1"), ("--save", "1e400"),
     # a missing --load directory starts from scratch (Megatron-LM's --save DIR --load DIR)
     ("--load", "abc"), ("--load", "0"), ("--load", "-1"), ("--load", "1e400"),
@@ -90,3 +91,16 @@ def test_inconsistent_combinations_are_refused(argv, flags, match, capsys):
     assert exit_info.value.code == 2
     err = error_line(capsys.readouterr().err)
     assert match in err and all(names_flag(err, flag) for flag in flags), err
+
+
+@pytest.mark.parametrize("removed", [r.name for r in REMOVED_FLAGS])
+@pytest.mark.parametrize("value", [[], ["1"]])
+def test_a_removed_flag_stops_the_parse_naming_what_replaced_it(removed, value, capsys):
+    """0.2.0 took these methods out: given, with or without a value, each flag stops the
+    parse (exit 2) with the release that removed it and the flag to use instead."""
+    with pytest.raises(SystemExit) as exit_info:
+        parse_and_validate(BASE + ["--pipeline-schedule", "paci", removed, *value], world_size=2)
+    assert exit_info.value.code == 2
+    line = error_line(capsys.readouterr().err)
+    assert names_flag(line, removed) and "removed in paci-megatron 0.2.0" in line
+    assert any(names_flag(line, f) for f in ("--no-paci-weight-prediction", "--save")), line

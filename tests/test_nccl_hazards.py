@@ -124,7 +124,7 @@ def test_the_new_tied_lists_pass_every_setting_that_broke_the_old():
 
 
 def test_a_pipeline_pair_first_meeting_in_opposite_orders_deadlocks_the_flush_plan():
-    """The flush plan (the --paci-sync-iters warm-up, the baseline) at P=3, a=N=2: stage 0's
+    """The flush plan (stock 1F1B, the baseline) at P=3, a=N=2: stage 0's
     first gradient receive shares an exchange with its last warm-up send (SF1+RB0); its host
     blocks connecting 1->0 until stage 1's first SB0, and stage 1's host is blocked in the
     synchronize after SF0+RF1, whose RF1 is in stage 0's unposted exchange."""

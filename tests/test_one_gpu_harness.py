@@ -12,7 +12,7 @@ from launch import paci_summary, parse_results, run_torchrun
 
 pytestmark = pytest.mark.dist
 
-FLAGS = ["pretrain_gpt_paci.py", "--pipeline-schedule", "paci", "--paci-sync-iters", "2",
+FLAGS = ["pretrain_gpt_paci.py", "--pipeline-schedule", "paci",
          "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
          "--vocab-size", "128", "--train-iters", "4", "--log-interval", "1",

@@ -14,7 +14,6 @@ from launch import megatron_lm_args
 from messages import names_flag
 
 from paci_megatron import run as paci_run
-from paci_megatron.features import weight_prediction as wp
 from paci_megatron.flag import ConfigError
 
 # Megatron-LM's flags that keep weights in uint8 buffers, by release: 0.16 has --fp4-param,
@@ -36,11 +35,11 @@ def test_fp8_and_fp4_weights_turn_the_default_prediction_off_and_say_why(flag, d
     linear weight unpredicted, its gradient missing from the clipping norm): the default is
     off at flag time, and the start-up line names the flag and the fix."""
     cfg = paci_run.validate_flags(megatron_lm_args(**DIST_OPT, **{dest: True}))
-    assert not cfg.weight_prediction
-    line = wp.default_off_line(cfg.prediction_off)
+    assert not cfg.method("weight_prediction")
+    line = cfg.notes[0]
     assert line.startswith("> PACI: weight prediction (on by default) is off for this run")
     assert names_flag(line, flag) and "uint8" in line and f"drop {flag}" in line
-    assert paci_run.validate_flags(megatron_lm_args(**DIST_OPT)).weight_prediction
+    assert paci_run.validate_flags(megatron_lm_args(**DIST_OPT)).method("weight_prediction")
 
 
 @pytest.mark.parametrize("flag,dest", LOW_PRECISION)
@@ -67,8 +66,8 @@ def test_the_precision_aware_optimizer_turns_the_default_off_at_flag_time(flags,
     user to drop Megatron's flag: the default now turns off when the flags are read, saying
     why; an explicit request is refused then, naming both flags and the fix."""
     cfg = paci_run.validate_flags(megatron_lm_args(**DIST_OPT, **flags))
-    assert not cfg.weight_prediction
-    line = wp.default_off_line(cfg.prediction_off)
+    assert not cfg.method("weight_prediction")
+    line = cfg.notes[0]
     assert all(name in line for name in named), line
     assert "fp32 main copies" in line and f"drop {named[0].split()[0]}" in line
     message = _refused(**DIST_OPT, **flags, paci_weight_prediction=True)
@@ -84,7 +83,7 @@ def test_fp32_state_dtypes_change_nothing():
         cfg = paci_run.validate_flags(megatron_lm_args(
             **DIST_OPT, main_params_dtype=value, exp_avg_dtype=value, exp_avg_sq_dtype=value,
             use_precision_aware_optimizer=False))
-        assert cfg.weight_prediction and cfg.prediction_off == ""
+        assert cfg.method("weight_prediction") and cfg.notes == ()
 
 
 def test_the_mxfp8_buffer_shared_with_the_gradients_is_refused_under_paci():
@@ -118,9 +117,9 @@ def test_cuda_graphs_are_refused_beside_the_layer_by_layer_move(graphs, named):
     assert "drop --paci-weight-prediction-overlap" in message
     assert f"drop {named.split()[0]}" in message
     cfg = paci_run.validate_flags(megatron_lm_args(bf16=True, **graphs))
-    assert cfg.weight_prediction and not cfg.prediction_overlap  # the whole-stage move
+    assert not cfg.method("weight_prediction").overlap  # the whole-stage move
     assert paci_run.validate_flags(megatron_lm_args(
-        bf16=True, paci_weight_prediction_overlap=True, cuda_graph_impl="none")).prediction_overlap
+        bf16=True, paci_weight_prediction_overlap=True, cuda_graph_impl="none")).method("weight_prediction").overlap
 
 
 @pytest.mark.dist

@@ -5,6 +5,9 @@ import pytest
 
 from paci_megatron.tools import compare, compare_report, tta
 from paci_megatron.simulate import Costs
+from paci_megatron.features import Lookahead, WeightPrediction
+
+PREDICT, AHEAD = (WeightPrediction.COST,), (Lookahead.COST,)  # a run's method passes
 
 COSTS = Costs(1.0, 2.0, 0.0)  # tf : tb = 1 : 2, free steps
 
@@ -65,20 +68,8 @@ def test_the_predictions_cost_falls_on_the_forwards_the_lists_mark_stale(P, a, s
     assert tta.seconds_per_call("paci", P, a, 8, costs) == 24
     assert tta.seconds_per_call("flush", P, a, 8, costs, predicts=True) == \
         tta.seconds_per_call("flush", P, a, 8, costs)
-    predicted = tta.RunShape("paci", P, 8, a, predicts=True)
+    predicted = tta.RunShape("paci", P, 8, a, passes=PREDICT)
     assert tta.seconds_per_iteration(predicted, costs)[1] == 24 + 0.5 * stale
-
-
-@pytest.mark.parametrize("P,a", [(4, 8), (8, 8), (4, 4)])
-def test_once_a_groups_moves_chain_along_one_micro_batchs_path(P, a):
-    """Once a group, each stage but the last moves once, at the first stale forward of each
-    group: the same micro-batch at every stage, whose forward waits for the move upstream. In
-    the tight steady state the P - 1 moves add up, as stage 0's P - 1 moves do per forward
-    (a >= P - 1); per group of a, not the slowest stage's one move."""
-    costs = Costs(1.0, 2.0, 0.0, predict=0.5)
-    groups = 8 // a
-    assert tta.seconds_per_call("paci", P, a, 8, costs, predicts=True, per_group=True) == \
-        24 + 0.5 * (P - 1) * groups
 
 
 def test_run_shape_says_whether_the_run_predicts():
@@ -92,11 +83,11 @@ def test_run_shape_says_whether_the_run_predicts():
     assert not shape("p", [*bf16, "--pipeline-schedule", "1f1b"], 4).predicts
 
 
-def test_sync_warm_up_runs_at_1f1b_pace_and_counts_one_update_per_iteration():
-    shape = tta.RunShape("paci", 4, 8, 2, sync_iters=3)
-    assert tta.projected_seconds(shape, COSTS, 10) == 3 * 33.0 + 7 * 24.0
-    assert tta.projected_seconds(shape, COSTS, 2.5) == 2.5 * 33.0
-    assert shape.updates(10) == 3 + 7 * 4
+def test_paci_runs_at_its_pace_and_counts_n_over_a_updates_per_iteration():
+    shape = tta.RunShape("paci", 4, 8, 2)
+    assert tta.projected_seconds(shape, COSTS, 10) == 10 * 24.0
+    assert tta.projected_seconds(shape, COSTS, 2.5) == 2.5 * 24.0
+    assert shape.updates(10) == 10 * 4 and shape.updates(2.5) == 10
     assert tta.RunShape("1f1b", 4, 8, 8).updates(10) == 10
     assert tta.projected_seconds(tta.RunShape("1f1b", 4, 8, 8), COSTS, 10) == 330.0
 
@@ -164,8 +155,9 @@ def test_a_target_some_seeds_miss_is_reported_as_such():
 @pytest.mark.parametrize("argv,match", [
     (["--run", "bad name=--x"], "--run"),
     (["--run", "paci-a4"], "NAME="),
-    (["--run", "x=--pipeline-schedule paci --paci-sync-iters -1"], "--paci-sync-iters"),
-    (["--run", "x=--pipeline-schedule 1f1b --paci-sync-iters 2"], "--paci-sync-iters"),
+    (["--run", "x=--pipeline-schedule paci --paci-max-drift -1"], "--paci-max-drift"),
+    (["--run", "x=--pipeline-schedule 1f1b --paci-max-drift 2"], "--paci-max-drift"),
+    (["--run", "x=--pipeline-schedule paci --paci-sync-iters 2"], "--paci-sync-iters"),
     (["--schedules", "1f1b", "--run", "1f1b=--pipeline-schedule 1f1b"], "given twice"),
     (["--schedules", "1f1b", "--seeds", "1,x"], "--seeds"),
     (["--schedules", "1f1b", "--seeds", "1,1"], "--seeds"),
@@ -202,15 +194,6 @@ def test_gaps_at_fractions_of_the_baseline_run():
     assert tta.gaps_at(base, curve([4.0, 4.0, 3.0, 2.0]), 0, (0.25, 0.375)) == \
         pytest.approx([-20.0, 100 * (4.0 / 4.5 - 1)])
     assert tta.gaps_at([], run, 0, (1.0,)) == [None]
-
-
-def test_warm_up_and_cool_down_iterations_run_at_stock_pace():
-    shape = tta.RunShape("paci", 4, 8, 8, sync_iters=2, cooldown_start=8)
-    assert shape.updates(10) == 2 + 6 + 2  # one step per stock iteration, N/a = 1 here too
-    assert tta.projected_seconds(shape, Costs(1.0, 2.0), 10, per_iteration=(5.0, 3.0)) == \
-        4 * 5.0 + 6 * 3.0
-    four = tta.RunShape("paci", 4, 8, 2, cooldown_start=6)
-    assert four.updates(8) == 6 * 4 + 2
 
 
 def _runs(curves, shapes, records_of=records):
@@ -284,20 +267,16 @@ def _final(records_, **extra):
 
 @pytest.mark.parametrize("method,extra,cpu_pace", [
     # prediction at 0.5 forwards each: stage 0 predicts its 3 forwards in flight (P-1)
-    (dict(predicts=True), dict(predict_ms=[0.5, 0.5, 0.5, None]), 24 + 0.5 * 3),
-    # once a group: each stage's first stale forward alone; in the lists that is the same
-    # micro-batch on stages 0-2, so the three moves still fall on one path
-    (dict(predicts=True, predicts_per_group=True), dict(predict_ms=[0.5, 0.5, 0.5, None]),
-     24 + 0.5 * 3),
+    (dict(passes=PREDICT), dict(predict_ms=[0.5, 0.5, 0.5, None]), 24 + 0.5 * 3),
     # the look-ahead: 0.25 forwards a step, one step an iteration at a = M = 8
-    (dict(looks_ahead=True), dict(lookahead_ms=[0.25, 0.25, 0.25, None]), 24 + 0.25),
+    (dict(passes=AHEAD), dict(lookahead_ms=[0.25, 0.25, 0.25, None]), 24 + 0.25),
 ])
 def test_the_costed_projection_on_synthetic_curves(method, extra, cpu_pace):
     """Equal curves: each speed-up is the pace ratio. With the run's own timed cost (in
     forwards: 1 ms forwards here) on this machine's 1 : 2 : 0 costs; on the GPU by hand:
     gpt2-medium at P=4 is 6 layers a stage, a forward 6 x 4096 x (24 x 1024^2 + 4 x 1024^2)
     flops at 396 TFLOP/s, a step 30 B x 6 x (12 x 1024^2 + 13 x 1024) at 4 TB/s, the
-    prediction 24 B (18 once a group) and the look-ahead 14 B a parameter of the stage."""
+    prediction 24 B and the look-ahead 14 B a parameter of the stage."""
     base_shape, shape = tta.RunShape("1f1b", 4, 8, 8), tta.RunShape("paci", 4, 8, 8, **method)
     values = [5.0, 4.0, 3.0, 2.5]
     timed = dict(extra, method_forward_ms=[1.0, 1.0, 1.0, None])
@@ -310,10 +289,10 @@ def test_the_costed_projection_on_synthetic_curves(method, extra, cpu_pace):
     forward = 6 * 4096 * (24 * 1024 ** 2 + 4 * 1024 ** 2) / 396e12
     params = 6 * (12 * 1024 ** 2 + 13 * 1024)
     step = 30 * params / 4e12
-    if method.get("looks_ahead"):
+    if method["passes"] == AHEAD:
         gpu_pace = 24 * forward + step + 14 * params / 4e12
     else:
-        moved = (18 if method.get("predicts_per_group") else 24) * params / 4e12
+        moved = 24 * params / 4e12
         gpu_pace = 24 * forward + step + 3 * moved
     assert row["speedup_gpu"] == pytest.approx([(33 * forward + step) / gpu_pace], rel=1e-9)
     assert rows["1f1b"]["speedup_gpu"] == [1.0]
@@ -338,7 +317,7 @@ def test_the_gpu_arithmetic_by_hand():
     assert costs.forward == pytest.approx(6 * 120_259_084_288 / 396e12, rel=1e-12)
     assert costs.backward == 2 * costs.forward
     assert costs.step == pytest.approx(30 * 75_577_344 / 4e12, rel=1e-12)
-    predict = tta.gpu_method_cost(tta.RunShape("paci", 4, 8, 8, predicts=True),
+    predict = tta.gpu_method_cost(tta.RunShape("paci", 4, 8, 8, passes=PREDICT),
                                   tta.GPU_MODELS["gpt2-medium"])
     # a quarter of a forward (24 B a parameter at 4 TB/s against the forward's flops)
     assert predict.per_predicted_forward == pytest.approx(24 * 75_577_344 / 4e12
@@ -350,12 +329,12 @@ def test_the_gpu_arithmetic_by_hand():
 def test_a_method_whose_cost_nobody_timed_is_refused_not_left_out():
     """A run that predicts but carries no timing of its own (older than the timing), and no
     --project-predict-ms: compare refuses, naming the flags, rather than print it free."""
-    shape = tta.RunShape("paci", 4, 8, 8, predicts=True)
+    shape = tta.RunShape("paci", 4, 8, 8, passes=PREDICT)
     with pytest.raises(compare.CompareError, match="--project-predict-ms"):
         compare.summarize("p", records([5.0, 3.0]), shape, COSTS)
     given = compare.summarize("p", records([5.0, 3.0]), shape, Costs(1.0, 2.0, 0.0, predict=2.0))
     assert given["method_cost"].per_predicted_forward == 2.0
     assert given["method_cost"].source == "--project-predict-ms"
-    with pytest.raises(compare.CompareError, match="--paci-lookahead"):
+    with pytest.raises(compare.CompareError, match="lookahead_ms"):
         compare.summarize("l", records([5.0, 3.0]), tta.RunShape("paci", 4, 8, 8,
-                                                                 looks_ahead=True), COSTS)
+                                                                 passes=AHEAD), COSTS)

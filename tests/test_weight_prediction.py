@@ -539,9 +539,9 @@ def test_the_flag_reaches_the_runtime_as_given_or_by_default_and_never_under_1f1
 ])
 def test_the_default_stays_off_where_the_run_cannot_predict_and_says_why(extra, why):
     opts = _resolved(*extra)
-    assert not opts.weight_prediction
-    assert (why in opts.prediction_off) == wp.DEFAULT_PREDICTION
-    line = wp.default_off_line(opts.prediction_off)
+    assert not opts.method("weight_prediction")
+    assert (why in " ".join(opts.notes)) == wp.DEFAULT_PREDICTION
+    line = opts.notes[0]
     assert line.startswith("> PACI: weight prediction (on by default) is off") and why in line
 
 
@@ -551,12 +551,12 @@ def test_the_default_is_on_in_bf16_and_fp16_and_under_the_drop_in():
 
     for precision in ("--bf16", "--fp16"):
         opts = _resolved(precision)
-        assert (opts.weight_prediction, opts.prediction_off) == (wp.DEFAULT_PREDICTION, "")
+        assert (bool(opts.method("weight_prediction")), opts.notes) == (wp.DEFAULT_PREDICTION, ())
     resolved = paci_run.validate_flags(megatron_lm_args(bf16=True))
-    assert resolved.weight_prediction == wp.DEFAULT_PREDICTION
+    assert bool(resolved.method("weight_prediction")) == wp.DEFAULT_PREDICTION
     other = paci_run.validate_flags(megatron_lm_args(bf16=True, optimizer="muon"))
-    assert not other.weight_prediction
-    assert ("--optimizer muon" in other.prediction_off) == wp.DEFAULT_PREDICTION
+    assert not other.method("weight_prediction")
+    assert ("--optimizer muon" in " ".join(other.notes)) == wp.DEFAULT_PREDICTION
 
 
 def _feature_ctx(feature, ahead, backwards=0, scale=None, per_token=False):
@@ -631,7 +631,7 @@ def test_the_feature_compiles_at_start_up_and_times_every_move_after_it(monkeypa
         time.sleep(0.002)  # the forward
         feature.after_forward(ctx, mb)
     row = feature.summary()
-    assert row["predicted_forwards"] == {1: 2} and row["prediction_schedule"] == "per-forward"
+    assert row["predicted_forwards"] == {1: 2}
     assert 120.0 <= row["predict_ms"] < 600.0  # (220 + 40) / 2: the first move counts
     assert 2.0 <= row["forward_ms"] < 30.0  # the move is not the forward's
 
@@ -647,7 +647,7 @@ def test_per_token_loss_and_the_lookahead_settle_only_the_variants_they_run():
     ctx.settle_prediction = lambda *a: settled.append(a)
     feature.on_start(ctx)  # per-token loss: the gradient is a token sum until R, never folded
     assert settled == [((), (False,), None)]
-    ctx.stale = False  # a stock plan: nothing to look ahead to, but the kernel is settled
+    ctx.stage = ctx.num_stages - 1  # the last stage: nothing to look ahead to, kernel settled
     Lookahead(1.0).on_start(ctx)
     assert settled[-1] == ((), (False,), None) and len(settled) == 2
 
@@ -661,28 +661,9 @@ def test_the_cost_lines_say_no_compilation_was_timed():
         "every pass timed, none compiling: the kernels were compiled at start-up")
 
 
-@pytest.mark.parametrize("extra", [["--paci-stale-grad-weight", "0.2"],
-                                   ["--paci-stale-grad-correction", "2000"]])
-def test_prediction_beside_the_stale_gradient_weights_or_correction_is_refused(extra, capsys):
-    """Both weigh or correct a micro-batch by its planned drift, which a predicted forward no
-    longer has: asked for together, refused; by default, the prediction is off and says why."""
-    from paci_megatron.arguments import parse_and_validate
-
-    with pytest.raises(SystemExit):
-        parse_and_validate(["--pipeline-model-parallel-size", "2", "--bf16",
-                            "--untie-embeddings-and-output-weights", "--paci-weight-prediction",
-                            *extra], world_size=2)
-    err = capsys.readouterr().err
-    assert "--paci-weight-prediction does not combine with " + extra[0] in err
-    opts = _resolved("--bf16", *extra)
-    assert not opts.weight_prediction and extra[0] in opts.prediction_off
-
-
-def _row(stage, steps, backwards, predicted=0, predict_ms=None, forward_ms=None,
-         schedule="per-forward"):
+def _row(stage, steps, backwards, predicted=0, predict_ms=None, forward_ms=None):
     row = {"stage": stage, "steps": steps, "histogram": {0: backwards},
-           "predicted_forwards": {1: predicted} if predicted else {},
-           "prediction_schedule": schedule}
+           "predicted_forwards": {1: predicted} if predicted else {}}
     if predict_ms is not None:
         row.update(predict_ms=predict_ms, forward_ms=forward_ms)
     return row
@@ -702,33 +683,6 @@ def test_the_report_projects_what_prediction_leaves_of_pacis_gain(predict_ms, wi
     slower = "slower than 1F1B on this machine" in lines[-1]
     assert slower == (with_it < 1.0)
     assert f"{with_it:.2f}x 1F1B's (plain PACI 1.38x" in lines[-1]
-
-
-@pytest.mark.parametrize("P", [4, 8])
-def test_the_report_chains_once_a_groups_moves_as_compare_does(P):
-    """Once a group, every stage but the last moves at the first stale forward of each group:
-    the same micro-batch's forward at each stage, so in 1F1B's tight steady state the P - 1
-    moves add up along its path. a = M = 8, p forwards a move: 24 + (P-1) p forwards an
-    iteration against plain PACI's 24 (what the slowest stage alone, 24 + p, would miss), and
-    compare's projection of the same run says the same."""
-    from paci_megatron.simulate import Costs
-    from paci_megatron.tools import tta
-
-    p = 0.535  # study 14's P = 8 run, seed 3001
-    rows = [_row(s, 2, 16, 2, 5.35, 10.0, "per-group") for s in range(P - 1)] + [_row(P - 1, 2, 16)]
-    plain = (8 + P - 1) / 8
-    with_it = plain * 24 / (24 + (P - 1) * p)
-    assert projected_throughput(rows, p, per_group=True) == \
-        (pytest.approx(with_it, rel=1e-12), pytest.approx(plain, rel=1e-12))
-    shape = tta.RunShape("paci", P, 8, 8, predicts=True, predicts_per_group=True)
-    costs = tta.with_method(Costs(1.0, 2.0), tta.MethodCost(p))
-    flush, paci = tta.seconds_per_iteration(shape, costs)
-    assert flush / paci == pytest.approx(with_it, rel=1e-12)
-    lines = wp.cost_lines(rows)
-    assert lines[0] == ("> stage 0: weight prediction once a group, 2 moves, 5.35 ms a move "
-                        "against 10.00 ms a forward (0.5 forwards)")
-    assert f"throughput of {with_it:.2f}x 1F1B's" in lines[-1]
-    assert f"{plain * 24 / (24 + p):.2f}x" not in lines[-1]  # not the slowest stage alone
 
 
 def test_the_report_says_nothing_of_prediction_when_none_ran():
@@ -754,40 +708,6 @@ def test_the_report_projects_what_the_lookahead_leaves_of_pacis_gain(pass_ms, wi
     assert la.cost_lines([_row(0, 2, 16), _row(1, 2, 16)]) == []
 
 
-def test_the_per_group_schedule_moves_once_and_puts_back_only_a_skipped_step(monkeypatch):
-    """per-group: the group's first stale forward moves the weights, later forwards find them
-    moved and nothing is restored after a forward; a step that updates has written them from
-    the main copies, one that skips gets them put back."""
-    feature = wp.WeightPrediction(per_group=True)
-    ctx, restored = _feature_ctx(feature, {0: 1, 1: 1, 2: 0}, backwards=1)
-    moves = []
-    monkeypatch.setattr(wp, "predict_ahead", lambda *a: moves.append(a[1]) or True)
-    for mb in (0, 1, 2):
-        feature.before_forward(ctx, mb)
-        feature.after_forward(ctx, mb)
-    assert moves == [1] and restored == [] and feature.predicted == {1: 1}
-    feature.after_step(ctx, SimpleNamespace(update_successful=True))
-    assert restored == []
-    feature.before_forward(ctx, 1)
-    feature.after_step(ctx, SimpleNamespace(update_successful=False))
-    assert moves == [1, 1] and restored == [1]
-    assert "moved once per group" in feature.describe()
-
-
-def test_the_schedule_flag_needs_the_prediction_and_reaches_the_config(capsys):
-    assert _resolved("--bf16", "--paci-weight-prediction-schedule", "per-group").prediction_per_group
-    assert not _resolved("--bf16").prediction_per_group
-    from paci_megatron.arguments import parse_and_validate
-
-    with pytest.raises(SystemExit):
-        parse_and_validate(["--pipeline-model-parallel-size", "2", "--bf16",
-                            "--untie-embeddings-and-output-weights",
-                            "--no-paci-weight-prediction", "--paci-weight-prediction-schedule",
-                            "per-group"], world_size=2)
-    assert "--paci-weight-prediction-schedule per-group needs the weight prediction" in \
-        capsys.readouterr().err
-
-
 @pytest.mark.parametrize("P,stage,a,strength,steps", [(4, 0, 8, 1.0, 3 / 8), (4, 1, 2, 2.0, 2.0),
                                                       (8, 0, 8, 1.0, 7 / 8), (4, 3, 1, 1.0, 0.0)])
 def test_the_lookahead_runs_c_times_the_mean_drift_ahead_on_the_moments(P, stage, a, strength,
@@ -797,10 +717,8 @@ def test_the_lookahead_runs_c_times_the_mean_drift_ahead_on_the_moments(P, stage
     next step's bias corrections, c a fraction of a step where the drift is."""
     from paci_megatron.features.lookahead import Lookahead
 
-    ctx = SimpleNamespace(num_stages=P, stage=stage, accumulation=a, stale=True)
+    ctx = SimpleNamespace(num_stages=P, stage=stage, accumulation=a)
     assert Lookahead(strength).steps_ahead(ctx) == steps
-    # a stock plan (the warm-up, the cool-down) has no drift: nothing to look ahead to
-    assert Lookahead(strength).steps_ahead(SimpleNamespace(**{**vars(ctx), "stale": False})) == 0
     if not steps:
         return  # the last stage: nothing to look ahead for (the feature moves nothing)
     opt, params, offsets, flat = _flat_optimizer(

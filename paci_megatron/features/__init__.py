@@ -1,34 +1,40 @@
-"""Stage features: PACI's convergence methods and options, one object each (see ``base``).
+"""PACI's convergence methods, one file each (see ``base.Method``), and their registry.
 
-Plain PACI is the empty list. ``FEATURES`` lists every feature with flags, in the order their
-hooks run; ``build_features`` makes the ones a resolved configuration asks for.
+Plain PACI is no method. ``METHODS`` lists every method, in the order their hooks run: adding
+or removing one is its file and its line here. Pure Python at import.
 """
 
 from __future__ import annotations
 
 from typing import List
 
-from . import lookahead, weight_prediction
-from .base import StageContext, StageFeature
+from .base import Method, StageContext, StageFeature
 from .lookahead import Lookahead
-from .stale_correction import StaleGradCorrection
-from .stale_weights import StaleGradWeights
 from .weight_prediction import WeightPrediction
 
-FEATURES = (StaleGradWeights, StaleGradCorrection, WeightPrediction, Lookahead)
+METHODS = (
+    WeightPrediction,  # --paci-weight-prediction (the default), --paci-weight-prediction-overlap
+    Lookahead,  # --paci-lookahead C
+)
+
+
+def method_named(name: str) -> type:
+    for method in METHODS:
+        if method.name == name:
+            return method
+    raise KeyError(f"no method {name!r}; the methods are {[m.name for m in METHODS]}")
 
 
 def build_features(cfg) -> List[StageFeature]:
-    """The features ``cfg`` (a ``config.PaciConfig``, or anything with its fields) turns on."""
-    return [f for f in (cls.from_config(cfg) for cls in FEATURES) if f is not None]
+    """The stage features of the methods ``cfg`` (a ``config.PaciConfig``) turns on."""
+    return [method_named(name).build(settings) for name, settings in cfg.methods]
 
 
 def method_cost_lines(rows: List[dict], prefix: str = "> stage") -> List[str]:
-    """The end-of-run lines of every method with a cost of its own (the prediction's move
-    and restore, the look-ahead's pass), from every stage's summary; none where none ran."""
-    return (weight_prediction.cost_lines(rows, prefix)
-            + lookahead.cost_lines(rows, prefix))
+    """The end-of-run lines of every method with a cost of its own, from every stage's
+    summary; none where none ran."""
+    return [line for method in METHODS for line in method.cost_lines(rows, prefix)]
 
 
-__all__ = ["FEATURES", "Lookahead", "StageContext", "StageFeature", "StaleGradCorrection",
-           "StaleGradWeights", "WeightPrediction", "build_features", "method_cost_lines"]
+__all__ = ["METHODS", "Lookahead", "Method", "StageContext", "StageFeature", "WeightPrediction",
+           "build_features", "method_cost_lines", "method_named"]

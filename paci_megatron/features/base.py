@@ -1,9 +1,13 @@
-"""What a stage feature is: one convergence method or option, with the hooks it needs.
+"""What a stage feature is (hooks at fixed points of a stage's sequence), and what a
+convergence method is: a feature that also owns its flags, their checks, its resolved
+settings, its start-up and end-of-run lines, its compare label, its cost in the projections
+and its step in the one-process emulator.
 
-Pure Python at import. The runtime calls every feature's hooks at fixed points of its
-sequence (``mcore/local_step.py``, ``mcore/handlers.py``); it never asks which features are
-on. A feature owns its state, its flags (``FLAGS``, in ``config.paci_flags``) and their
-checks (``check``), and builds itself from the resolved configuration (``from_config``).
+Pure Python at import (torch only inside the hooks). The runtime calls every feature's hooks
+at fixed points of its sequence (``mcore/local_step.py``, ``mcore/handlers.py``); it never
+asks which features are on. A method is one file under ``features/`` and one line of
+``features.METHODS``: ``config`` reads its flags and settings, ``tools/compare`` its label and
+cost, ``mcore/reference.py`` its emulated step, all through ``Method``'s interface.
 """
 
 from __future__ import annotations
@@ -38,7 +42,6 @@ class StageContext:
     params: Tuple = ()
     features: List["StageFeature"] = field(default_factory=list)
     accumulation: int = 1  # the plan's a
-    stale: bool = True  # the plan is PACI's (not a stock warm-up or cool-down): drift exists
     per_token: bool = False  # --calculate-per-token-loss: gradients are token sums until R
     # what the action lists say: the stage's local steps between F mb and B mb
     planned_drift: Callable[[int], int] = lambda mb: 0
@@ -60,14 +63,6 @@ class StageContext:
     # --measure-memory: a meter with window_start()/window_stop() (memory.LiveTensorMeter)
     memory_window: Any = None
 
-    def group_mean_drift(self) -> float:
-        """The mean drift of the group the next step applies, weighted as its gradients are."""
-        for feature in self.features:
-            mean = feature.weighted_mean_drift()
-            if mean is not None:
-                return mean
-        return self.drift.group_mean_drift
-
 
 class StageFeature:
     """Base: every hook does nothing. Hooks, in the order a stage meets them:
@@ -75,11 +70,8 @@ class StageFeature:
     - ``on_bind``: the stage's optimizer is known (refuse one the feature cannot use);
     - ``on_start``: a stream starts (the model is known; after a --load too);
     - ``before_forward`` / ``after_forward``: around a micro-batch's forward;
-    - ``backward_factor``: on a backward, the factor the group's gradient buffer is scaled by
-      before that micro-batch's gradient joins it, and ``token_weight``, its token count's;
-    - in R, once per group: ``after_reduction`` (the data-parallel reduction is done: where
-      stock's tied all-reduce reads the gradients), ``finish_factor`` (the group's gradients
-      are weighed by it), ``after_weighing`` (before the per-token division);
+    - ``after_reduction``: in R, once per group, the data-parallel reduction done (where
+      stock's tied all-reduce reads the gradients; before the per-token division);
     - ``before_step``, ``around_optimizer`` (entered only when the optimizer is called),
       ``after_step``: around the local step;
     - ``on_drain``: the stream stops at a group boundary; ``evaluating``: around an
@@ -112,24 +104,8 @@ class StageFeature:
     def after_forward(self, ctx: StageContext, mb: int) -> None:
         pass
 
-    def backward_factor(self, ctx: StageContext, drift: int) -> float:
-        return 1.0
-
-    def token_weight(self, drift: int) -> float:
-        return 1.0
-
     def after_reduction(self, ctx: StageContext) -> None:
         pass
-
-    def finish_factor(self, ctx: StageContext, per_token: bool) -> float:
-        return 1.0
-
-    def after_weighing(self, ctx: StageContext) -> None:
-        pass
-
-    def weighted_mean_drift(self) -> Optional[float]:
-        """A feature that weighs gradients says how it weighs the group's drift."""
-        return None
 
     def before_step(self, ctx: StageContext) -> None:
         pass
@@ -146,3 +122,60 @@ class StageFeature:
     def evaluating(self, ctx: StageContext) -> ContextManager:
         """Entered around an evaluation (a forward-only call between two training calls)."""
         return contextlib.nullcontext()
+
+
+@dataclass(frozen=True)
+class PassCost:
+    """How a method's own cost enters the throughput projections: timed per ``per`` ("stale
+    forward" or "step") and reported under ``key`` in a stage's summary (ms, beside its
+    ``forward_ms``); ``gpu_bytes`` a parameter of the stage per pass for the GPU arithmetic
+    (bf16 weights, fp32 main copies and moments)."""
+
+    key: str
+    per: str
+    gpu_bytes: int
+
+
+class Method(StageFeature):
+    """A convergence method: a stage feature plus its configuration-time side (class methods:
+    nothing here needs torch or a process group).
+
+    ``settings(args)`` is the method's resolved settings for a run (None: off), kept in
+    ``PaciConfig.methods`` under ``name``; ``build(settings)`` makes the stage's feature,
+    ``emulated(settings)`` the emulator's own implementation of it (``mcore/reference.py``
+    calls ``before_forward``, ``after_forward``, ``on_stream_start``, ``after_step`` and
+    ``on_drain`` on it with a view of one emulated stage)."""
+
+    COST: Optional[PassCost] = None
+
+    @classmethod
+    def settings(cls, args) -> Any:
+        return None
+
+    @classmethod
+    def off_note(cls, args) -> str:
+        """The start-up line of a run whose flags turn this method's default off ("": none)."""
+        return ""
+
+    @classmethod
+    def build(cls, settings) -> "Method":
+        return cls(settings)
+
+    @classmethod
+    def label(cls, settings) -> str:
+        """The method as compare names a run of it."""
+        return cls.name
+
+    @classmethod
+    def given(cls, args) -> bool:
+        """The user named one of this method's flags (on or off)."""
+        return any(getattr(args, flag.dest, None) is not None for flag in cls.FLAGS)
+
+    @classmethod
+    def cost_lines(cls, rows: List[dict], prefix: str = "> stage") -> List[str]:
+        """The end-of-run lines of this method's cost, from every stage's summary."""
+        return []
+
+    @classmethod
+    def emulated(cls, settings) -> Any:
+        raise NotImplementedError(f"{cls.name} has no emulated step")

@@ -29,7 +29,7 @@ import math
 from typing import List, Optional
 
 from ..flag import ConfigError, Flag
-from .base import StageContext, StageFeature, optimizer_of
+from .base import Method, PassCost, StageContext, optimizer_of
 from ..throughput import mean_forwards, projected_throughput
 from .timer import SpanTimer
 
@@ -73,12 +73,14 @@ def cost_lines(rows: List[dict], prefix: str = "> stage") -> List[str]:
     return lines
 
 
-class Lookahead(StageFeature):
+class Lookahead(Method):
     """Writes the look-ahead weights after each step; puts the true ones back for a drain
     and an evaluation."""
 
     name = "lookahead"
     FLAGS = (LOOKAHEAD_FLAG,)
+    # after the step: reads main, m, v (12 B), writes the weight (2)
+    COST = PassCost("lookahead_ms", "step", gpu_bytes=14)
 
     def __init__(self, strength: float):
         check_strength(strength)
@@ -114,8 +116,20 @@ class Lookahead(StageFeature):
                               "adam or drop --paci-lookahead")
 
     @classmethod
-    def from_config(cls, cfg) -> Optional["Lookahead"]:
-        return cls(cfg.lookahead) if cfg.lookahead else None
+    def settings(cls, args) -> Optional[float]:
+        return getattr(args, LOOKAHEAD_FLAG.dest, None) or None  # C; 0 is off
+
+    @classmethod
+    def label(cls, settings: float) -> str:
+        return f"look-ahead C={settings:g}"
+
+    @classmethod
+    def cost_lines(cls, rows: List[dict], prefix: str = "> stage") -> List[str]:
+        return cost_lines(rows, prefix)
+
+    @classmethod
+    def emulated(cls, settings: float) -> "EmulatedLookahead":
+        return EmulatedLookahead(settings)
 
     def describe(self) -> str:
         return f"look-ahead weights, C={self.strength:g}"
@@ -161,9 +175,6 @@ class Lookahead(StageFeature):
                 self._look_ahead(ctx)
 
     def steps_ahead(self, ctx: StageContext) -> float:
-        """0 under a stock plan (--paci-sync-iters, --paci-cooldown-iters): no drift there."""
-        if not ctx.stale:
-            return 0.0
         return self.strength * mean_drift(ctx.num_stages, ctx.stage, ctx.accumulation)
 
     def _look_ahead(self, ctx: StageContext) -> None:
@@ -192,3 +203,47 @@ class Lookahead(StageFeature):
             ctx.gather_weights()
         self.ahead = False
         ctx.weights_moved = True
+
+
+class EmulatedLookahead:
+    """The emulator's own look-ahead (``mcore/reference.py``): after each step that updated,
+    and at a stream's start, stage s's model weights C x (P-1-s)/a steps along its moments'
+    update (nothing before its first update, nothing on the last stage); the true weights back
+    for a drain."""
+
+    def __init__(self, strength: float):
+        self.strength = strength
+        self.ahead = set()  # the stages whose model weights are ahead now
+
+    def before_forward(self, stage, mb: int) -> bool:
+        return False
+
+    def after_forward(self, stage, moved: bool) -> None:
+        pass
+
+    def on_stream_start(self, stage) -> None:
+        self._look_ahead(stage)
+
+    def after_step(self, stage, ok: bool) -> None:
+        if ok:  # the step wrote the true weights: ahead again, at the next LR
+            self.ahead.discard(stage.index)
+            self._look_ahead(stage)
+
+    def on_drain(self, stage) -> None:
+        if stage.index in self.ahead:
+            with stage.keep_versions():
+                stage.layout().stage_pass.restore()
+                stage.gather()
+            self.ahead.discard(stage.index)
+
+    def _look_ahead(self, stage) -> None:
+        from .weight_prediction import predict_ahead
+
+        steps = self.strength * (stage.num_stages - 1 - stage.index) / stage.accumulation
+        layout = stage.layout()
+        if not steps or not any(layout.step_count(k.inner) for k in layout.stage_pass.klasses):
+            return
+        with stage.keep_versions():
+            if predict_ahead(layout, steps, None, lambda group, n: n * group["lr"]):
+                stage.gather()
+                self.ahead.add(stage.index)

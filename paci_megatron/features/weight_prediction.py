@@ -30,12 +30,13 @@ FusedAdam).
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
+from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
 from ..flag import ConfigError, Flag
-from .base import StageContext, StageFeature, optimizer_of
-from .prediction_pass import host_coefficients, predict, scalars_to_device
+from ..shape import steps_in_flight
+from .base import Method, PassCost, StageContext, optimizer_of
 from ..throughput import mean_forwards, projected_throughput
 from .timer import SpanTimer
 
@@ -52,20 +53,12 @@ PREDICTION_FLAG = Flag(
          "the run allows it; --no-paci-weight-prediction runs the paper's plain PACI, every "
          "forward on the current weights")
 
-PER_FORWARD, PER_GROUP = "per-forward", "per-group"
-SCHEDULE_FLAG = Flag(
-    "--paci-weight-prediction-schedule", choices=(PER_FORWARD, PER_GROUP), neutral=PER_FORWARD,
-    help="when the prediction moves the weights: per-forward (default) before every stale "
-         "forward, put back after it; per-group once, at the first stale forward after each "
-         "local step, left there until the step writes them again from the main copy (one "
-         "pass a step instead of two a stale forward; the group's other forwards and its "
-         "backwards then run on the predicted weights too)")
 OVERLAP_FLAG = Flag(
     "--paci-weight-prediction-overlap", switch=True, neutral=False,
     help="move the weights layer by layer as the predicted forward goes, each layer's move "
          "on a side stream while the previous layer computes, and put each back after it: "
          "only the first move and the last restore stay exposed (a GPU gains; a CPU runs the "
-         "same moves one after another). Per-forward schedule; not with "
+         "same moves one after another). Not with "
          "--use-distributed-optimizer (whole-stage moves there, and the start-up line says so)")
 
 
@@ -134,14 +127,6 @@ def unsupported(args) -> str:
     if getattr(args, "paci_lookahead", None):
         return ("does not combine with --paci-lookahead: both move the weights ahead; "
                 "choose one")
-    beside = [name for name, dest, off in (
-        ("--paci-stale-grad-weight", "paci_stale_grad_weight", 1.0),
-        ("--paci-stale-grad-correction", "paci_stale_grad_correction", 0.0))
-        if getattr(args, dest, None) not in (None, off)]
-    if beside:
-        return (f"does not combine with {' or '.join(beside)}: a predicted forward is no "
-                "longer stale, so weighing or correcting its gradient by the planned drift "
-                "would count the staleness twice; drop one of them")
     return ""
 
 
@@ -175,14 +160,22 @@ def default_off_line(why: str) -> str:
             "this is the paper's plain PACI")
 
 
-class WeightPrediction(StageFeature):
+@dataclass(frozen=True)
+class Prediction:
+    """The prediction's resolved settings: on, moved whole or layer by layer."""
+
+    overlap: bool = False  # --paci-weight-prediction-overlap
+
+
+class WeightPrediction(Method):
     """Moves the stage's weights to their predicted values around each stale forward."""
 
     name = "weight_prediction"
-    FLAGS = (PREDICTION_FLAG, SCHEDULE_FLAG, OVERLAP_FLAG)
+    FLAGS = (PREDICTION_FLAG, OVERLAP_FLAG)
+    # move: reads main, m, v, grad (16 B), writes the weight (2); restore: reads main (4), writes 2
+    COST = PassCost("predict_ms", "stale forward", gpu_bytes=24)
 
-    def __init__(self, per_group: bool = False, overlap: bool = False):
-        self.per_group = per_group  # --paci-weight-prediction-schedule per-group
+    def __init__(self, overlap: bool = False):
         self.overlap = overlap  # --paci-weight-prediction-overlap
         self.mover = None  # the layer-by-layer move, where the stage allows it
         self.moved = False  # the weights are predicted now
@@ -209,26 +202,47 @@ class WeightPrediction(StageFeature):
                 "its hooks, so the layer would run on unmoved weights: drop "
                 f"--paci-weight-prediction-overlap (the whole stage then moves before each "
                 f"predicted forward) or drop {graphs.split()[0]}")
+        on, why = prediction_setting(args)
+        if OVERLAP_FLAG.is_set(args) and not on:
+            raise ConfigError(f"{OVERLAP_FLAG.name} needs the weight prediction, which is off "
+                              f"for this run{': it ' + why if why else ''}; drop "
+                              f"{OVERLAP_FLAG.name}")
 
     @classmethod
-    def from_config(cls, cfg) -> Optional["WeightPrediction"]:
-        return cls(cfg.prediction_per_group, cfg.prediction_overlap) \
-            if cfg.weight_prediction else None
+    def settings(cls, args) -> Optional[Prediction]:
+        on, _why = prediction_setting(args)
+        return Prediction(OVERLAP_FLAG.is_set(args)) if on else None
+
+    @classmethod
+    def off_note(cls, args) -> str:
+        _on, why = prediction_setting(args)
+        return default_off_line(why) if why else ""
+
+    @classmethod
+    def build(cls, settings: Prediction) -> "WeightPrediction":
+        return cls(settings.overlap)
+
+    @classmethod
+    def label(cls, settings: Prediction) -> str:
+        return "prediction per-forward"  # the name 0.1's runs were kept under
+
+    @classmethod
+    def cost_lines(cls, rows: List[dict], prefix: str = "> stage") -> List[str]:
+        return cost_lines(rows, prefix)
+
+    @classmethod
+    def emulated(cls, settings: Prediction) -> "EmulatedPrediction":
+        return EmulatedPrediction()
 
     def describe(self) -> str:
-        if self.per_group:
-            return "stale forwards on predicted weights, moved once per group"
         if self.overlap:
             return "stale forwards on predicted weights, moved layer by layer"
         return "stale forwards on predicted weights"
 
     def summary(self) -> dict:
-        row = {"predicted_forwards": dict(sorted(self.predicted.items())),
-               "prediction_schedule": PER_GROUP if self.per_group else PER_FORWARD}
+        row = {"predicted_forwards": dict(sorted(self.predicted.items()))}
         move, restore = self.move_time.mean_ms(), self.restore_time.mean_ms()
         forward = self.forward_time.mean_ms()
-        if self.per_group:  # a move a group, no restore (the step writes the weights)
-            restore = 0.0
         if move is not None and restore is not None and forward is not None:
             row.update(predict_ms=round(move + restore, 3), forward_ms=round(forward, 3))
         if self.layout is not None:
@@ -257,7 +271,7 @@ class WeightPrediction(StageFeature):
 
     def before_forward(self, ctx: StageContext, mb: int) -> None:
         steps = ctx.planned_drift(mb)
-        if not steps or (self.per_group and self.moved):
+        if not steps:
             return
         backwards = ctx.drift.group_backwards  # since the last step: the partial gradient's
         factor = None if ctx.per_token or not backwards \
@@ -267,12 +281,11 @@ class WeightPrediction(StageFeature):
         self.move_time.start()
         with _versions_kept(ctx.params):
             moved = predict_ahead(self.layout, steps, factor, ctx.lr_sum,
-                                  ctx.loss_scale_tensor(), ctx.reduce_stage_sumsq,
-                                  None if self.per_group else self.mover)
+                                  ctx.loss_scale_tensor(), ctx.reduce_stage_sumsq, self.mover)
             if moved:
                 ctx.gather_weights()
         self.move_time.stop()
-        if ctx.memory_window is not None and (self.per_group or not moved):
+        if ctx.memory_window is not None and not moved:
             ctx.memory_window.window_stop()
         if not moved:
             return
@@ -284,19 +297,14 @@ class WeightPrediction(StageFeature):
         if self.timing:
             self.forward_time.stop()
             self.timing = False
-        if self.moved and not self.per_group:
+        if self.moved:
             self._restore(ctx, timed=True)
             if ctx.memory_window is not None:
                 ctx.memory_window.window_stop()
             ctx.weights_moved = True  # the next forward's weights differ from this one's
 
     def after_step(self, ctx: StageContext, record) -> None:
-        """A successful step wrote the weights from the main copies (Megatron's own cast);
-        a skipped one left them predicted (per-group): put back."""
         self.layout.on_step(record.update_successful)
-        if self.moved and not record.update_successful:
-            self._restore(ctx, timed=False)
-        self.moved = False
 
     def on_drain(self, ctx: StageContext) -> None:
         if self.moved:  # a drain comes after a step: never, but the weights must be true
@@ -306,7 +314,7 @@ class WeightPrediction(StageFeature):
         if timed:
             self.restore_time.start()
         with _versions_kept(ctx.params):
-            if self.mover is not None and not self.per_group:
+            if self.mover is not None:
                 self.mover.finish()  # the layers are back already; the rest now
             else:
                 self.layout.stage_pass.restore()
@@ -323,17 +331,14 @@ def cost_lines(rows: List[dict], prefix: str = "> stage") -> List[str]:
     timed = [r for r in rows if r.get("predict_ms") is not None and r.get("forward_ms")]
     if not timed:
         return []
-    per_group = any(r.get("prediction_schedule") == PER_GROUP for r in timed)
     lines = []
     for row in timed:
         moved = sum(row["predicted_forwards"].values())
-        what = (f"once a group, {moved} moves, {row['predict_ms']:.2f} ms a move" if per_group
-                else f"on {moved} forwards, move + restore {row['predict_ms']:.2f} ms")
-        lines.append(f"{prefix} {row['stage']}: weight prediction {what} against "
+        lines.append(f"{prefix} {row['stage']}: weight prediction on {moved} forwards, move + "
+                     f"restore {row['predict_ms']:.2f} ms against "
                      f"{row['forward_ms']:.2f} ms a forward "
                      f"({row['predict_ms'] / row['forward_ms']:.1f} forwards)")
-    with_it, plain = projected_throughput(rows, mean_forwards(timed, "predict_ms"),
-                                          per_group=per_group)
+    with_it, plain = projected_throughput(rows, mean_forwards(timed, "predict_ms"))
     verdict = ("slower than 1F1B on this machine; --no-paci-weight-prediction runs plain PACI"
                if with_it < 1.0 else "`python -m paci_megatron.tools.compare --project-costs "
                "measured` projects whether its lower loss pays for that")
@@ -370,6 +375,8 @@ def predict_ahead(layout, steps: int, factor: Optional[float], lr_sum: Callable[
     a layer-by-layer move (``mcore/prediction_overlap.py``) that takes the coefficients and
     moves as the forward goes, else the whole stage moves now. False when there is nothing to
     predict from (SGD without momentum and without a gradient): nothing moved."""
+    from .prediction_pass import host_coefficients, predict, scalars_to_device
+
     stage_pass = layout.stage_pass
     if stage_pass.kind == "sgd" and factor is None:
         return False
@@ -384,3 +391,45 @@ def predict_ahead(layout, steps: int, factor: Optional[float], lr_sum: Callable[
         host = scalars_to_device(rows, stage_pass.device)
         mover.start(stage_pass.coefficients(host, inv_scale, fold, reduce_sumsq), fold)
     return True
+
+
+class EmulatedPrediction:
+    """The emulator's own prediction (``mcore/reference.py``): before stage s's forward of
+    micro-batch mb, the steps s takes before its backward, counted from the shape (not read
+    from the action lists); the weights moved there with the mean gradient of the group's
+    backwards so far (none for per-token loss: token sums), and put back from the main
+    copies after the forward."""
+
+    def __init__(self):
+        self.predicted = defaultdict(Counter)  # stage -> steps ahead -> forwards
+
+    def before_forward(self, stage, mb: int) -> bool:
+        steps = steps_in_flight(stage.num_stages, stage.index, stage.accumulation, mb)
+        if not steps:
+            return False
+        layout = stage.layout()
+        done = stage.group_backwards
+        factor = None if stage.per_token or not done else grad_factor(stage.accumulation, done)
+        with stage.keep_versions():
+            moved = predict_ahead(layout, steps, factor, stage.lr_sum, stage.loss_scale(),
+                                  stage.reduce_sumsq)
+            if moved:
+                stage.gather()
+        if moved:
+            self.predicted[stage.index][steps] += 1
+        return moved
+
+    def after_forward(self, stage, moved: bool) -> None:
+        if moved:
+            with stage.keep_versions():
+                stage.layout().stage_pass.restore()
+                stage.gather()
+
+    def on_stream_start(self, stage) -> None:
+        pass
+
+    def after_step(self, stage, ok: bool) -> None:
+        pass
+
+    def on_drain(self, stage) -> None:
+        pass

@@ -20,7 +20,7 @@ rescale and the division take device tensors, and no number is read back by the 
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
@@ -32,13 +32,10 @@ class GradMeta:
         self.fp16 = fp16
         self.per_token = per_token
         self.device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-        self.group_tokens = 0  # this stage's tokens since its last step, weighted as its grads
-        self.plain_tokens = 0  # the same, unweighted (device tensors once counted)
-        self.weighted = False  # a stale-gradient weight applied to the counts
-        self._totals: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        self.group_tokens = 0  # this stage's tokens since its last step (then a device tensor)
 
     def before_backward(self, state, mb: int, own_scale, *, is_first: bool,
-                        is_last: bool, token_weight: float = 1.0) -> None:
+                        is_last: bool) -> None:
         """``own_scale``: this stage's loss scale on the device (None: 1)."""
         scale = self._as_meta(1.0 if own_scale is None else own_scale)
         if is_last:
@@ -48,11 +45,7 @@ class GradMeta:
             if self.fp16:  # a power of two: exact (1 where the scales agree)
                 with torch.no_grad():  # Megatron's receive buffers require grad
                     state.output_grads[mb].mul_(scale / sender)
-        # --paci-stale-grad-weight: the count is weighted as the gradient is
-        self.weighted = self.weighted or token_weight != 1.0
-        self.group_tokens = self.group_tokens + (tokens if token_weight == 1.0
-                                                 else token_weight * tokens)
-        self.plain_tokens = self.plain_tokens + tokens
+        self.group_tokens = self.group_tokens + tokens
         if not is_first:
             state.meta_out[mb] = torch.stack([scale, tokens])
 
@@ -79,32 +72,15 @@ class GradMeta:
             torch.distributed.all_reduce(count, group=dp_cp_group)
         return count
 
-    def tied_half_factor(self, dp_cp_group):
-        """Stage 0 with tied embeddings: the factor for the last stage's output-layer gradient
-        before it joins this stage's own, so that after the division by this stage's
-        (weighted) count each half is a mean over its own tokens: the last stage has no drift,
-        so its half is divided by the plain count. 1 when the counts are not weighted (else
-        a device tensor)."""
-        if not self.weighted:
-            return 1.0
-        totals = torch.stack([self._as_meta(self.group_tokens), self._as_meta(self.plain_tokens)])
-        if dp_cp_group is not None and dp_cp_group.size() > 1:
-            torch.distributed.all_reduce(totals, group=dp_cp_group)
-        self._totals = (totals[0], totals[1])
-        weighted, plain = self._totals
-        return torch.where(plain > 0, weighted / plain, 1.0)
-
     def divide_by_tokens(self, model, dp_cp_group) -> None:
         """What stock finalize_model_grads does with num_tokens, minus the pipeline broadcast
         (a group without tokens has no gradient: dividing by 1 leaves its zeros)."""
-        count = self._totals[0] if self._totals is not None else self._count(dp_cp_group)
+        count = self._count(dp_cp_group)
         self.reset()
         model.scale_gradients(torch.where(count > 0, count.reciprocal(), 1.0))
 
     def reset(self) -> None:
-        self.group_tokens = self.plain_tokens = 0
-        self.weighted = False
-        self._totals = None
+        self.group_tokens = 0
 
 
 def grad_meta_for(config, optimizer) -> Optional[GradMeta]:

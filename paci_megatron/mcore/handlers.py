@@ -56,15 +56,9 @@ class MegatronHandlers:
     def backward(self, mb: int) -> None:
         rt, state = self.rt, self.state
         self.finish_send_of(mb)  # long done: the next stage already sent this one's gradient
-        _mb, fwd_version, version = rt.drift.log[-1]  # the executor logged this one
-        drift = version - fwd_version
-        token_weight = 1.0
-        for feature in rt.features:
-            local_step.scale_grads(rt.model, feature.backward_factor(rt.ctx, drift))
-            token_weight *= feature.token_weight(drift)
         if rt.meta is not None:
             rt.meta.before_backward(state, mb, rt.loss_scale(), is_first=rt.is_first,
-                                    is_last=rt.is_last, token_weight=token_weight)
+                                    is_last=rt.is_last)
         with rt.grad_sync(enabled=rt.plan_closes_group(mb)):
             grad = compat.backward_step(
                 state.inputs.pop(mb, None), state.outputs.pop(mb), state.output_grads.pop(mb, None),
@@ -86,7 +80,7 @@ class MegatronHandlers:
         self.rt.tied.send_output_grad()
 
     def recv_tied_grad(self, mb: int) -> None:
-        """Received here; the R that follows adds it (``TiedEmbedding.after_weighing``)."""
+        """Received here; the R that follows adds it (``TiedEmbedding.after_reduction``)."""
         self.rt.tied.receive_output_grad()
 
     def send_tied_weight(self, mb: int) -> None:

@@ -26,32 +26,15 @@ class StepRecord:
     lr: Optional[float]
 
 
-def scale_grads(model, factor: float) -> None:
-    """Scale the stage's accumulated gradients in place (Megatron's DDP buffers)."""
-    if factor != 1.0:
-        model.scale_gradients(factor)
-
-
-def weigh_group(rt) -> None:
-    """Complete the features' weighting of this group's gradients, after the data-parallel
-    reduction (which --overlap-grad-reduce may still be running before it)."""
-    per_token = rt.meta is not None and rt.meta.per_token
-    for feature in rt.features:
-        scale_grads(rt.model, feature.finish_factor(rt.ctx, per_token))
-
-
 def finish_grads(rt) -> None:
     """R: reduce over data-parallel ranks (Megatron's finalize_model_grads with stage-local
-    groups), weigh, normalise per token. The tied exchange takes the last stage's reduced
-    output-layer gradient right after the reduction and adds it to stage 0's after its
-    weighting, where stock's all-reduce sums them."""
+    groups), normalise per token. The tied exchange takes the last stage's reduced
+    output-layer gradient right after the reduction and adds it to stage 0's, where stock's
+    all-reduce sums them."""
     config = rt.model_config
     config.finalize_model_grads_func([rt.model], None, pg_collection=rt.grad_groups)
     for feature in rt.features:
         feature.after_reduction(rt.ctx)
-    weigh_group(rt)
-    for feature in rt.features:
-        feature.after_weighing(rt.ctx)
     if rt.meta is not None and rt.meta.per_token:
         rt.meta.divide_by_tokens(rt.model, rt.pg.dp_cp)
 

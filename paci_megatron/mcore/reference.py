@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
@@ -29,9 +29,8 @@ from megatron.core.utils import get_model_config, get_model_type
 
 from ..autograd_versions import keep_version_counters
 from ..emulate import run_global
-from ..features.weight_prediction import grad_factor, predict_ahead
 from ..schedule import Action, StreamPlan, plan_stream
-from ..shape import StreamShape, closes_group, steps_in_flight, tied_lag
+from ..shape import StreamShape, closes_group, tied_lag
 from . import build, compat
 from . import main_params
 from .admission import stage_grad_stats_group
@@ -141,13 +140,8 @@ class _Stage:
     grad_meta: Dict[int, tuple] = field(default_factory=dict)
     meta_out: Dict[int, tuple] = field(default_factory=dict)
     group_tokens: int = 0
-    plain_tokens: int = 0  # the same, unweighted
-    group_drifts: List[int] = field(default_factory=list)  # since the step, in order
-    step_drifts: List[int] = field(default_factory=list)  # the same, for the correction
-    predicted: Dict[int, int] = field(default_factory=dict)  # steps ahead -> forwards
-    layout: Any = None  # --paci-weight-prediction: the stage's flat state (main_params)
-    group_moved: bool = False  # per-group: the weights are predicted until the step
-    looking_ahead: bool = False  # --paci-lookahead: the model weights are ahead of the main
+    group_backwards: int = 0  # since the step
+    layout: Any = None  # the methods' flat state of the stage (main_params), made once
 
 
 class PipelineEmulator:
@@ -162,15 +156,10 @@ class PipelineEmulator:
                  seq_length: int, build_stage: Callable[[int], StageParts], seed: int = 1234,
                  kind: str = "paci", lr_increment: Optional[int] = None,
                  forward_step_func: Callable = build.gpt_forward_step,
-                 stale_grad_weight: float = 1.0, stale_grad_correction: float = 0.0,
-                 weight_prediction: bool = False, prediction_per_group: bool = False,
-                 lookahead: float = 0.0):
+                 methods: Sequence[Any] = ()):
         self.num_stages, self.accumulation, self.kind = num_stages, accumulation, kind
-        self.stale_grad_weight = stale_grad_weight  # --paci-stale-grad-weight W
-        self.stale_grad_correction = stale_grad_correction  # --paci-stale-grad-correction K
-        self.weight_prediction = weight_prediction  # --paci-weight-prediction
-        self.per_group = prediction_per_group  # --paci-weight-prediction-schedule per-group
-        self.lookahead = lookahead  # --paci-lookahead C
+        # each method's emulated step (Method.emulated), in features.METHODS' order: PACI's
+        self.methods = list(methods) if kind == "paci" else []
         self.micro_batch_size, self.seq_length = micro_batch_size, seq_length
         self.forward_step_func = forward_step_func
         dp = parallel_state.get_data_parallel_world_size()
@@ -210,22 +199,16 @@ class PipelineEmulator:
         reads = stage.index in (0, self.num_stages - 1)
         data = iter([stage.batches[self.consumed + mb]]) if reads else None
         store: list = []
-        ahead = self._steps_ahead(stage, mb)
-        if ahead and not stage.group_moved:
-            ahead = ahead if self._predict(stage, ahead) else 0
-            stage.group_moved = self.per_group and bool(ahead)
-        else:
-            ahead = 0  # per-group: the weights stay where the group's first move put them
+        view = _MethodView(self, stage)
+        moved = [method.before_forward(view, mb) for method in self.methods]
         output, tokens = mcore_schedules.forward_step(
             self.forward_step_func, data, model, self.accumulation, stage.inputs.get(mb),
             store, get_model_config(model), cp_group_size=1,
-            is_first_microbatch=stage.fresh_weights or bool(ahead), current_microbatch=mb,
+            is_first_microbatch=stage.fresh_weights or any(moved), current_microbatch=mb,
             is_last_stage=is_last)
-        stage.fresh_weights = bool(ahead) and not self.per_group
-        if ahead and not self.per_group:
-            with keep_version_counters(list(model.parameters())):
-                stage.layout.stage_pass.restore()
-                gather_weights(stage.parts.optimizer)
+        stage.fresh_weights = any(moved)
+        for method, was_moved in zip(self.methods, moved):
+            method.after_forward(view, was_moved)
         stage.outputs[mb] = output
         stage.fwd_version[mb] = stage.version
         if is_last and self.tied is not None:
@@ -234,63 +217,6 @@ class PipelineEmulator:
         if is_last:
             self.losses += store
             stage.tokens[mb] = int(tokens)
-
-    def _steps_ahead(self, stage: _Stage, mb: int) -> int:
-        """--paci-weight-prediction: the steps this stage takes before B mb (PACI's 1F1B
-        order, counted from the shape rather than read from the lists)."""
-        if not self.weight_prediction or self.kind != "paci":
-            return 0
-        return steps_in_flight(self.num_stages, stage.index, self.accumulation, mb)
-
-    def _predict(self, stage: _Stage, steps: int) -> bool:
-        """Move the stage's weights ``steps`` optimizer steps ahead, with the mean of the
-        gradients of the group's backwards so far (not for per-token loss: token sums).
-        False: nothing to predict from, nothing moved."""
-        model, optimizer = stage.parts.model, stage.parts.optimizer
-        self._layout(stage)
-        done = len(stage.step_drifts)
-        per_token = get_model_config(model).calculate_per_token_loss
-        factor = None if per_token or not done else grad_factor(self.accumulation, done)
-        scheduler = stage.parts.lr_scheduler
-        with keep_version_counters(list(model.parameters())):
-            moved = predict_ahead(
-                stage.layout, steps, factor,
-                lambda group, n: main_params.lr_sum(scheduler, self.lr_increment, group, n),
-                main_params.loss_scale_tensor(optimizer),
-                lambda t: main_params.reduce_over(t, stage_grad_stats_group(optimizer)))
-            if moved:
-                gather_weights(optimizer)
-        if moved:
-            stage.predicted[steps] = stage.predicted.get(steps, 0) + 1
-        return moved
-
-    def _layout(self, stage: _Stage):
-        """The stage's flat state for the prediction and the look-ahead (made once)."""
-        if stage.layout is None:
-            partial = [self.tied.owner] if self.tied is not None and stage.index == 0 else []
-            stage.layout = main_params.StageLayout(
-                stage.parts.model, stage.parts.optimizer, partial=partial,
-                tp_group=parallel_state.get_tensor_model_parallel_group())
-        return stage.layout
-
-    def _look_ahead(self, stage: _Stage) -> None:
-        """--paci-lookahead C: after a step, the model weights C x (P-1-s)/a steps along the
-        moments' update (nothing before the stage's first update, nothing on the last)."""
-        steps = self.lookahead * (self.num_stages - 1 - stage.index) / self.accumulation
-        layout = self._layout(stage)
-        if not steps or not any(layout.step_count(k.inner) for k in layout.stage_pass.klasses):
-            return
-        with keep_version_counters(list(stage.parts.model.parameters())):
-            if predict_ahead(layout, steps, None, lambda group, n: n * group["lr"]):
-                gather_weights(stage.parts.optimizer)
-                stage.looking_ahead = True
-
-    def _true_weights(self, stage: _Stage) -> None:
-        if stage.looking_ahead:
-            with keep_version_counters(list(stage.parts.model.parameters())):
-                stage.layout.stage_pass.restore()
-                gather_weights(stage.parts.optimizer)
-            stage.looking_ahead = False
 
     def _send_f(self, stage: _Stage, mb: int) -> None:
         out = stage.outputs[mb]
@@ -307,7 +233,7 @@ class PipelineEmulator:
         model = stage.parts.model
         drift = stage.version - stage.fwd_version.pop(mb)
         stage.drift[drift] = stage.drift.get(drift, 0) + 1
-        stage.step_drifts.append(drift)
+        stage.group_backwards += 1
         sync = contextlib.nullcontext() if closes_group(mb, self.accumulation) else model.no_sync()
         scale = float(stage.parts.optimizer.get_loss_scale())  # 1 without a loss scaler
         if stage.index == self.num_stages - 1:
@@ -316,37 +242,15 @@ class PipelineEmulator:
             sender_scale, tokens = stage.grad_meta.pop(mb)
             with torch.no_grad():
                 stage.output_grads[mb].mul_(scale / sender_scale)
-        weight = self.stale_grad_weight ** drift  # the token count is weighted as the gradient
-        stage.group_tokens += tokens if weight == 1.0 else weight * tokens
-        stage.plain_tokens += tokens
+        stage.group_tokens += tokens
         if stage.index > 0:
             stage.meta_out[mb] = (scale, tokens)
-        self._weigh_stale(stage, drift)
         with sync:
             grad = compat.backward_step(
                 stage.inputs.pop(mb, None), stage.outputs.pop(mb), stage.output_grads.pop(mb, None),
                 get_model_type(model), get_model_config(model))
         if stage.index > 0:
             stage.input_grads[mb] = grad
-
-    def _weigh_stale(self, stage: _Stage, drift: int) -> None:
-        """--paci-stale-grad-weight W: the group's earlier gradients, all at least as stale
-        as this one, take W per step of drift above it; the step finishes the weights."""
-        w = self.stale_grad_weight
-        if w == 1.0:
-            return
-        if stage.group_drifts and stage.group_drifts[-1] != drift:
-            stage.parts.model.scale_gradients(w ** (stage.group_drifts[-1] - drift))
-        stage.group_drifts.append(drift)
-
-    def _finish_stale_weights(self, stage: _Stage) -> None:
-        drifts, w = stage.group_drifts, self.stale_grad_weight
-        if drifts and get_model_config(stage.parts.model).calculate_per_token_loss:
-            stage.parts.model.scale_gradients(w ** drifts[-1])  # the token count normalises
-        elif drifts:
-            stage.parts.model.scale_gradients(
-                w ** drifts[-1] * len(drifts) / sum(w ** d for d in drifts))
-        stage.group_drifts = []
 
     def _send_b(self, stage: _Stage, mb: int) -> None:
         grad = stage.input_grads.pop(mb)
@@ -367,45 +271,34 @@ class PipelineEmulator:
         self.tied.received = self.tied.grads.pop(0)
 
     def _add_tied_half(self, stage: _Stage) -> None:
-        """Stage 0, its own gradient reduced and weighted: the last stage's reduced half joins
-        as stock's all-reduce sums it, brought to this stage's loss scale. Per-token loss: that
-        half is renormalised to a mean over its own (unweighted) tokens."""
+        """Stage 0, its own gradient reduced: the last stage's reduced half joins as stock's
+        all-reduce sums it, brought to this stage's loss scale."""
         grad, sender_scale = self.tied.received
         self.tied.received = None
         # the emulator reads scales on the host: it is the CPU reference, never the runtime
         scale = float(stage.parts.optimizer.get_loss_scale())
         if scale != sender_scale:
             grad = grad * (scale / sender_scale)
-        if get_model_config(stage.parts.model).calculate_per_token_loss \
-                and not isinstance(stage.group_tokens, int):
-            totals = torch.tensor([float(stage.group_tokens), float(stage.plain_tokens)],
-                                  dtype=torch.float64)
-            if parallel_state.get_data_parallel_world_size() > 1:
-                torch.distributed.all_reduce(totals, group=parallel_state.get_data_parallel_group())
-            grad = grad * float(totals[0] / totals[1])
         self.tied.grad(self.tied.owner).add_(grad)
 
     def _reduce(self, stage: _Stage, mb: int) -> None:
         """Data-parallel reduction within the stage, the tied gradient's halves (kept on the
-        last stage, added on stage 0 after its weighting), the stale weights, the per-token
-        count."""
+        last stage, added on stage 0), the per-token count."""
         model = stage.parts.model
         model.finish_grad_sync()
         tied = self.tied
         if tied is not None and stage.index == self.num_stages - 1:
             tied.kept = (tied.grad(tied.last).detach().clone(),
                          float(stage.parts.optimizer.get_loss_scale()))
-        self._finish_stale_weights(stage)
         if tied is not None and stage.index == 0:
             self._add_tied_half(stage)
         if get_model_config(model).calculate_per_token_loss:  # this stage's group's tokens
-            count = torch.tensor(stage.group_tokens, dtype=torch.int if isinstance(
-                stage.group_tokens, int) else torch.float64)
+            count = torch.tensor(stage.group_tokens, dtype=torch.int)
             if parallel_state.get_data_parallel_world_size() > 1:
                 torch.distributed.all_reduce(count, group=parallel_state.get_data_parallel_group())
             if count > 0:
                 model.scale_gradients(1.0 / count)
-        stage.group_tokens = stage.plain_tokens = 0
+        stage.group_tokens = 0
 
     def _step(self, stage: _Stage, mb: int) -> None:
         """The stage's optimizer and LR step; the last stage's tied copy stays where it was
@@ -420,14 +313,10 @@ class PipelineEmulator:
             undo = tied.inbox.pop(0)
             tied.installed = tied.last_steps - self.tied_lag + 1
         with keep_version_counters(list(model.parameters())):
-            ok, grad_norm = self._optimizer_step(stage)
+            ok, grad_norm, _ = optimizer.step()
+        stage.group_backwards = 0
         if stage.layout is not None:
             stage.layout.on_step(bool(ok))
-        if stage.group_moved and not ok:  # a skipped step does not write the weights
-            with keep_version_counters(list(model.parameters())):
-                stage.layout.stage_pass.restore()
-                gather_weights(optimizer)
-        stage.group_moved = False
         if tied is not None:
             tied.install_last(undo)
             tied.last_steps += 1
@@ -435,9 +324,9 @@ class PipelineEmulator:
             scheduler.step(increment=self.lr_increment)
         model.zero_grad_buffer()
         optimizer.zero_grad()
-        if self.lookahead and ok:  # the step wrote the true weights: ahead again, next LR
-            stage.looking_ahead = False
-            self._look_ahead(stage)
+        view = _MethodView(self, stage)
+        for method in self.methods:
+            method.after_step(view, bool(ok))
         stage.version += 1
         stage.fresh_weights = True
         lr = optimizer.param_groups[0]["lr"] if scheduler is not None else None
@@ -451,30 +340,6 @@ class PipelineEmulator:
         """The last stage receives stage 0's weight after its step closing ``mb``; its own
         step tied_lag steps later installs it."""
         self.tied.inbox.append(self.tied.weights.pop(0))
-
-    def _optimizer_step(self, stage: _Stage) -> tuple:
-        """Megatron's optimizer step; with --paci-stale-grad-correction K its parts spelled
-        out, the gradients corrected between the clipping and the inner step:
-        g -= K x (weighted mean drift of the group) x lr x Adam's exp_avg."""
-        optimizer = stage.parts.optimizer
-        drifts, stage.step_drifts = stage.step_drifts, []
-        if not self.stale_grad_correction or not any(drifts):
-            ok, grad_norm, _ = optimizer.step()
-            return ok, grad_norm
-        weights = [self.stale_grad_weight ** d for d in drifts]
-        mean_drift = sum(wi * d for wi, d in zip(weights, drifts)) / sum(weights)
-        if optimizer.prepare_grads():  # unscaled; True: a NaN/Inf (fp16 overflow), no step
-            return False, None
-        clip = optimizer.config.clip_grad
-        grad_norm = optimizer.clip_grad_norm(clip) if clip > 0.0 else None
-        inner = optimizer.optimizer
-        for group in inner.param_groups:
-            for param in group["params"]:
-                moment = inner.state.get(param, {}).get("exp_avg")
-                if moment is not None and param.grad is not None:
-                    param.grad.add_(moment, alpha=-(self.stale_grad_correction * mean_drift
-                                                    * group["lr"]))
-        return optimizer.step_with_ready_grads(), grad_norm
 
     # calls, like Megatron's forward-backward function -----------------------------------------
     def set_accumulation(self, accumulation: int) -> None:
@@ -497,8 +362,8 @@ class PipelineEmulator:
             for stage in self.stages:
                 stage.parts.model.zero_grad_buffer()
                 stage.parts.optimizer.zero_grad()
-                if self.lookahead and self.kind == "paci":
-                    self._look_ahead(stage)
+                for method in self.methods:
+                    method.on_stream_start(_MethodView(self, stage))
         elif num_microbatches != self.plan.per_call:
             raise ValueError("the number of micro-batches changed while micro-batches are in "
                              "flight; drain() first")
@@ -515,7 +380,8 @@ class PipelineEmulator:
         dropped = len(self.stages[0].fwd_version)
         self.consumed += self.call_index * self.plan.per_call
         for stage in self.stages:
-            self._true_weights(stage)
+            for method in self.methods:
+                method.on_drain(_MethodView(self, stage))
             stage.fwd_version.clear()
             stage.inputs.clear()
             stage.outputs.clear()
@@ -524,7 +390,7 @@ class PipelineEmulator:
             stage.tokens.clear()
             stage.grad_meta.clear()
             stage.meta_out.clear()
-            stage.group_tokens = stage.plain_tokens = 0
+            stage.group_tokens = 0
         if any(self.messages.values()):
             raise RuntimeError("drain with messages in transit (drain between calls only)")
         self.mailbox.clear()  # stage 0's last tied weights: the catch-up takes the newest
@@ -539,3 +405,42 @@ class PipelineEmulator:
 
     def stage_model(self, s: int):
         return self.stages[s].parts.model
+
+
+class _MethodView:
+    """One emulated stage as a method's emulated step sees it (``features.base.Method``):
+    its place, its group so far, and the services a method uses, made here from the stage's
+    own parts (the flat state is made once, on first use)."""
+
+    def __init__(self, emu: PipelineEmulator, stage: _Stage):
+        self._emu, self._stage = emu, stage
+        self.index, self.num_stages = stage.index, emu.num_stages
+        self.accumulation = emu.accumulation
+        self.group_backwards = stage.group_backwards
+        self.per_token = get_model_config(stage.parts.model).calculate_per_token_loss
+
+    def layout(self):
+        stage, tied = self._stage, self._emu.tied
+        if stage.layout is None:
+            partial = [tied.owner] if tied is not None and stage.index == 0 else []
+            stage.layout = main_params.StageLayout(
+                stage.parts.model, stage.parts.optimizer, partial=partial,
+                tp_group=parallel_state.get_tensor_model_parallel_group())
+        return stage.layout
+
+    def lr_sum(self, group: dict, steps: int) -> float:
+        return main_params.lr_sum(self._stage.parts.lr_scheduler, self._emu.lr_increment, group,
+                                  steps)
+
+    def loss_scale(self):
+        return main_params.loss_scale_tensor(self._stage.parts.optimizer)
+
+    def reduce_sumsq(self, tensor) -> None:
+        optimizer = self._stage.parts.optimizer
+        main_params.reduce_over(tensor, stage_grad_stats_group(optimizer))
+
+    def gather(self) -> None:
+        gather_weights(self._stage.parts.optimizer)
+
+    def keep_versions(self):
+        return keep_version_counters(list(self._stage.parts.model.parameters()))

@@ -63,12 +63,11 @@ class PaciRuntime:
 
     kind="paci" runs PACI; kind="flush" runs the same executor on the flush baseline (stock
     1F1B with a drain before each step), which must equal stock Megatron bit for bit.
-    ``policy`` picks each call's plan (the --paci-sync-iters warm-up, a fixed or an automatic
-    accumulation factor); ``features`` are the stage features (plain PACI: none).
+    ``policy`` picks each call's plan (a fixed or an automatic accumulation factor); ``features`` are the stage features (plain PACI: none).
     """
 
     def __init__(self, *, accumulation: int, kind: str = "paci", max_drift: Optional[int] = None,
-                 on_nonfinite: str = "skip", sync_calls: int = 0,
+                 on_nonfinite: str = "skip",
                  policy: Optional[PlanPolicy] = None, features: Sequence[StageFeature] = ()):
         if kind not in ("paci", "flush"):
             raise ValueError(f"unknown runtime kind {kind!r}")
@@ -87,7 +86,7 @@ class PaciRuntime:
             check_max_drift(self.num_stages, accumulation, max_drift)
         bound = drift_bound(self.num_stages, self.stage, accumulation) if kind == "paci" else 0
         self.drift = DriftStats(self.stage, bound if max_drift is None else max_drift)
-        self.policy = policy or PlanPolicy(kind, self.num_stages, accumulation, sync_calls)
+        self.policy = policy or PlanPolicy(kind, self.num_stages, accumulation)
         self.user_features = list(features) if kind == "paci" else []
         self.pg = admission.pipeline_groups()
         self.optimizer = self.lr_scheduler = self.lr_increment = None
@@ -316,7 +315,6 @@ class PaciRuntime:
         ctx = self.ctx
         ctx.features = self.features
         ctx.accumulation = self.plan.accumulation
-        ctx.stale = self.plan.kind == "paci"
         ctx.per_token = self.meta is not None and self.meta.per_token
         ctx.planned_drift = self.planned_drift
         self._drift_plans = {}
@@ -335,9 +333,8 @@ class PaciRuntime:
 
     def _tied_in_plans(self, model) -> bool:
         """Stage 0 and the last stage of a PACI plan with tied embeddings exchange the tied
-        weight's gradient and values point to point (SG/RG, SW/RW); stock plans (the flush
-        baseline, the --paci-sync-iters warm-up) keep Megatron's all-reduce. Every stage
-        knows: the lists of all stages must agree."""
+        weight's gradient and values point to point (SG/RG, SW/RW); the flush baseline keeps
+        Megatron's all-reduce. Every stage knows: the lists of all stages must agree."""
         inner = admission.unwrap(model)
         return (self.kind == "paci" and self.num_stages > 1
                 and bool(getattr(inner, "share_embeddings_and_output_weights", False)))
@@ -355,9 +352,7 @@ class PaciRuntime:
             model=model, optimizer=self.optimizer, stage=self.stage, num_stages=self.num_stages,
             accumulation=self.plan.accumulation, group=self.pg.embd,
             histogram=self.tied_histogram,
-            loss_scale=self.loss_scale if meta is not None and meta.fp16 else None,
-            half_factor=(lambda: meta.tied_half_factor(self.pg.dp_cp))
-            if meta is not None and meta.per_token else (lambda: 1.0))
+            loss_scale=self.loss_scale if meta is not None and meta.fp16 else None)
 
     def forward_backward(self, *, forward_step_func, data_iterator, model, num_microbatches: int,
                          seq_length: int, micro_batch_size: int,
@@ -388,10 +383,6 @@ class PaciRuntime:
                     micro_batch_size=micro_batch_size, decoder_seq_length=decoder_seq_length,
                     forward_only=True, collect_non_loss_data=collect_non_loss_data,
                     first_val_step=first_val_step)
-        if self.plan is not None and self.plan.kind != self.policy.kind_at(self.calls_done):
-            # the warm-up's last flush call left the pipeline empty; the cool-down starts from
-            # a drained one (the in-flight forwards are replayed by its first call)
-            self.drain()
         if self.plan is None:
             self._start(model, data_iterator, num_microbatches, seq_length, micro_batch_size,
                         decoder_seq_length)

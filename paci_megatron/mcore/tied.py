@@ -232,15 +232,13 @@ def _wait(works: list) -> None:
 class TiedEmbedding(StageFeature):
     """One stage's half of the tied-weight exchange for one PACI stream (from an empty or
     drained pipeline on; micro-batch and step numbers count from there). ``loss_scale``
-    (fp16): this stage's current scale, which its gradients are expressed in; ``half_factor``
-    (stage 0): the factor the last stage's half takes before it joins (per-token loss)."""
+    (fp16): this stage's current scale, which its gradients are expressed in."""
 
     name = "tied"
 
     def __init__(self, *, model, optimizer, stage: int, num_stages: int, accumulation: int,
                  group, histogram: Counter, bound: Optional[int] = None,
-                 loss_scale: Optional[Callable[[], float]] = None,
-                 half_factor: Callable[[], float] = lambda: 1.0):
+                 loss_scale: Optional[Callable[[], float]] = None):
         self.copy = TiedCopy(model, optimizer)
         self.weight = self.copy.weight
         self.optimizer = optimizer
@@ -250,7 +248,6 @@ class TiedEmbedding(StageFeature):
         self.bound = self.lag if bound is None else bound
         self.group = group
         self.loss_scale = loss_scale
-        self.half_factor = half_factor
         me = torch.distributed.get_rank()
         others = [r for r in torch.distributed.get_process_group_ranks(group) if r != me]
         if len(others) != 1:
@@ -304,13 +301,26 @@ class TiedEmbedding(StageFeature):
         self.histogram[stale] += 1
 
     def after_reduction(self, ctx: StageContext) -> None:
-        """Last stage, in R right after the data-parallel reduction (where stock's all-reduce
-        reads it): keep the output layer's gradient for SG, in the buffer of a send that is
-        done: one that reports so (NCCL does once stage 0's receive ran; gloo only once
-        waited for), or one known to be received (group ``steps - L`` or older: see the
-        module docstring), whose wait cannot stall."""
+        """In R right after the data-parallel reduction, where stock's all-reduce sums the
+        two halves (before the per-token division): stage 0 adds the last stage's half;
+        the last stage keeps its own for SG."""
         if self.is_owner:
-            return
+            self._add_received_half()
+        else:
+            self._keep_own_half()
+
+    def _add_received_half(self) -> None:
+        """The last stage's half joins stage 0's gradient at this stage's loss scale."""
+        buf, scale = self.incoming
+        if self.loss_scale is not None:  # on the device: a power of two, exact
+            buf.mul_((self._scale_tensor() / scale).to(buf.dtype))
+        self.copy.grad().add_(buf)
+
+    def _keep_own_half(self) -> None:
+        """The output layer's gradient, kept for SG in the buffer of a send that is done: one
+        that reports so (NCCL does once stage 0's receive ran; gloo only once waited for), or
+        one known to be received (group ``steps - L`` or older: see the module docstring),
+        whose wait cannot stall."""
         buf = None
         while self.grad_sends and (self.grad_sends[0][0] <= self.steps - self.lag
                                    or _completed(self.grad_sends[0][1])):
@@ -406,20 +416,6 @@ class TiedEmbedding(StageFeature):
             works.append(_irecv(scale, self.peer, self.group))
         _wait(works)
         self.incoming = (buf, scale)
-
-    def after_weighing(self, ctx: StageContext) -> None:
-        """Stage 0, in R once its own gradient is reduced and weighed (before the per-token
-        division): the last stage's half joins, at this stage's loss scale, times
-        ``half_factor``: what stock's all-reduce adds at that point."""
-        if not self.is_owner:
-            return
-        buf, scale = self.incoming
-        if self.loss_scale is not None:  # on the device: a power of two, exact
-            buf.mul_((self._scale_tensor() / scale).to(buf.dtype))
-        factor = self.half_factor()
-        if torch.is_tensor(factor) or factor != 1.0:  # a device tensor: never compared here
-            buf.mul_(factor)
-        self.copy.grad().add_(buf)
 
     def send_weight(self) -> None:
         """SW, after stage 0's step: the stepped weight (its master copy, or its shard) to

@@ -42,6 +42,7 @@ import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ..features import METHODS, method_named
 from ..simulate import Costs
 from . import tta
 from .compare_report import (budget_table, gap_table, method_cost_line, plot, print_speedups,
@@ -130,27 +131,21 @@ NO_METHOD: Dict[str, object] = {"method": "", "by_default": False}  # a stock sc
 
 
 def _shape(args, cfg) -> tta.RunShape:
-    predicts = args.pipeline_schedule == "paci" and cfg.weight_prediction
+    methods = [method_named(name) for name, _ in cfg.methods] \
+        if args.pipeline_schedule == "paci" else []
     return tta.RunShape(
         schedule=args.pipeline_schedule, num_stages=args.pipeline_model_parallel_size,
         microbatches=args.num_microbatches, accumulation=cfg.accumulation,
-        sync_iters=cfg.sync_iters, cooldown_start=cfg.shape.cooldown_start,
         virtual_chunks=args.virtual_pipeline_model_parallel_size or 1,
-        predicts=predicts, predicts_per_group=predicts and cfg.prediction_per_group,
-        looks_ahead=args.pipeline_schedule == "paci" and bool(cfg.lookahead))
+        passes=tuple(m.COST for m in methods if m.COST is not None))
 
 
 def _method(args, cfg) -> Dict[str, object]:
     if args.pipeline_schedule != "paci":
         return dict(NO_METHOD)
-    if cfg.lookahead:
-        method = f"look-ahead C={cfg.lookahead:g}"
-    elif cfg.weight_prediction:
-        method = "prediction " + ("per-group" if cfg.prediction_per_group else "per-forward")
-    else:
-        method = "plain"
-    chosen = args.paci_lookahead is not None or args.paci_weight_prediction is not None
-    return {"method": method, "by_default": not chosen}
+    labels = [method_named(name).label(settings) for name, settings in cfg.methods]
+    return {"method": " + ".join(labels) or "plain",
+            "by_default": not any(m.given(args) for m in METHODS)}
 
 
 def _validated(name: str, flags: Sequence[str], nproc: int):
@@ -175,8 +170,7 @@ NOT_FOR_TIMING = ("--num-layers", "--pipeline-model-parallel-size", "--pipeline-
                   "--num-layers-per-virtual-pipeline-stage", "--save", "--load",
                   "--metrics-file", "--tensorboard-dir", "--exit-interval", "--save-interval",
                   "--save-interval-minutes", "--paci-accumulation-factor", "--paci-max-drift",
-                  "--paci-sync-iters", "--paci-on-nonfinite", "--paci-stale-grad-weight",
-                  "--paci-stale-grad-correction", "--eval-interval")
+                  "--paci-on-nonfinite", "--eval-interval")
 SWITCHES_NOT_FOR_TIMING = ("--paci-drain-before-eval", "--measure-memory",
                            "--measure-activation-memory", "--override-opt_param-scheduler",
                            "--use-checkpoint-opt_param-scheduler")
@@ -455,8 +449,7 @@ def compare(args, train_flags: List[str]) -> int:
                 f"and M in the lockstep simulator, forward {args.project_forward_ms:.4g} ms, "
                 f"backward {args.project_backward_ms:.4g} ms, step {args.project_step_ms:.4g} ms "
                 f"per stage ({cost_source}), and each run's method's own cost (below), "
-                "steady state (--paci-sync-iters iterations at 1F1B's pace; "
-                "projected s/iteration is the pace after them); interleaved from Megatron-Core's "
+                "steady state; interleaved from Megatron-Core's "
                 "order per rank, timed the same way.\n\n")
         f.write(methods + "\n\n")
         for p in plots:

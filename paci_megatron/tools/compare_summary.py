@@ -36,20 +36,19 @@ def measured_method_cost(shape: tta.RunShape, final: Dict, costs: Costs) -> tta.
     """The run's method's cost in forwards as the run timed it (per stage, over the same
     stage's forward, the mean over stages); where it did not time it, the projection's own
     --project-predict-ms (a look-ahead always times its pass where it moves anything)."""
-    predict = _mean_ratio(final, "predict_ms") if shape.predicts else 0.0
-    ahead = _mean_ratio(final, "lookahead_ms") if shape.looks_ahead else 0.0
+    per = {"stale forward": 0.0, "step": 0.0}
     source = "its run's timing"
-    if predict is None:
-        if not costs.predict:
-            raise CompareError("a run predicts weights but did not time its prediction (a "
-                               "run older than its timing): give its cost, --project-predict-ms "
-                               "MS or --project-costs measured, so that no speed-up leaves it "
-                               "out")
-        predict, source = costs.predict / costs.forward, "--project-predict-ms"
-    if ahead is None:
-        raise CompareError("a run looks ahead (--paci-lookahead) but did not time its pass: "
-                           "its cost is unknown, so no speed-up is stated for it")
-    return tta.MethodCost(predict, ahead, source=source)
+    for cost in shape.passes:
+        ratio = _mean_ratio(final, cost.key)
+        if ratio is None and cost.per == "stale forward" and costs.predict:
+            ratio, source = costs.predict / costs.forward, "--project-predict-ms"
+        if ratio is None:
+            raise CompareError(f"a run's method did not time its pass ({cost.key}: a run older "
+                               "than its timing): its cost is unknown; give it with "
+                               "--project-predict-ms MS (a pass per stale forward) or "
+                               "--project-costs measured, so that no speed-up leaves it out")
+        per[cost.per] += ratio
+    return tta.MethodCost(per["stale forward"], per["step"], source=source)
 
 
 def summarize(name: str, records: List[Dict], shape: tta.RunShape, costs: Costs,

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 from .. import interleaved
-from ..shape import local_steps, stock_iterations
+from ..features import METHODS
+from ..features.base import PassCost
+from ..shape import local_steps
 from ..simulate import Costs, seconds_per_call
 
 # A curve point: (x values, loss). The x values (samples, updates, seconds, ...) all grow with
@@ -53,25 +55,25 @@ def mean_and_spread(values: Sequence[float]) -> Tuple[float, float]:
 @dataclass(frozen=True)
 class RunShape:
     """What the simulator needs of a run: schedule, stages, micro-batches per iteration (M),
-    backwards per local step (a), stock-1F1B warm-up iterations and virtual chunks."""
+    backwards per local step (a) and virtual chunks."""
 
     schedule: str  # "1f1b", "interleaved" or "paci"
     num_stages: int
     microbatches: int
     accumulation: int
-    sync_iters: int = 0
-    cooldown_start: Optional[int] = None  # --paci-cooldown-iters: stock 1F1B from here on
     virtual_chunks: int = 1
-    predicts: bool = False  # --paci-weight-prediction: stale forwards cost Costs.predict more
-    predicts_per_group: bool = False  # ... once a group: only its first stale forward does
-    looks_ahead: bool = False  # --paci-lookahead: a pass after each local step
+    passes: Tuple[PassCost, ...] = ()  # the run's methods' own passes (features.base.PassCost)
+
+    @property
+    def predicts(self) -> bool:
+        """A pass before each stale forward: those forwards cost Costs.predict more."""
+        return any(p.per == "stale forward" for p in self.passes)
 
     def updates(self, iterations: float) -> float:
         """Optimizer steps per stage after ``iterations`` iterations."""
         if self.schedule != "paci":
             return iterations
-        return local_steps(iterations, self.microbatches, self.accumulation, self.sync_iters,
-                           self.cooldown_start)
+        return local_steps(iterations, self.microbatches, self.accumulation)
 
 
 def seconds_per_iteration(shape: RunShape, costs: Costs) -> Tuple[float, float]:
@@ -82,8 +84,7 @@ def seconds_per_iteration(shape: RunShape, costs: Costs) -> Tuple[float, float]:
     flush = seconds_per_call("flush", P, M, M, costs)
     if shape.schedule == "paci":
         return flush, seconds_per_call("paci", P, shape.accumulation, M, costs,
-                                       predicts=shape.predicts,
-                                       per_group=shape.predicts_per_group)
+                                       predicts=shape.predicts)
     if shape.schedule == "interleaved":
         return flush, interleaved.seconds_per_iteration(P, M, shape.virtual_chunks, costs)
     return flush, flush
@@ -93,9 +94,9 @@ def seconds_per_iteration(shape: RunShape, costs: Costs) -> Tuple[float, float]:
 
 @dataclass(frozen=True)
 class MethodCost:
-    """What a method adds to a stage's work, in forwards of that stage: per forward it
-    predicts (the weight prediction's move and restore; its move alone once a group), per
-    local step (the look-ahead's pass). ``source`` says where the figures come from."""
+    """What a run's methods add to a stage's work, in forwards of that stage: per stale
+    forward (the weight prediction's move and restore), per local step (the look-ahead's
+    pass). ``source`` says where the figures come from."""
 
     per_predicted_forward: float = 0.0
     per_step: float = 0.0
@@ -121,9 +122,6 @@ GPU_BYTES_PER_S = 4e12  # HBM bandwidth a fused elementwise pass reaches on an H
 GPU_FLOPS = 0.4 * 990e12  # 40% of an H200's dense bf16 peak
 # bytes per parameter, bf16 weights with fp32 main copies and Adam's two moments:
 STEP_BYTES = 30  # the step: reads grad, main, m, v (16), writes main, m, v (12), weight (2)
-PREDICT_BYTES = 24  # move: reads main, m, v, grad (16), writes weight (2); restore: 4 + 2
-PREDICT_GROUP_BYTES = 18  # once a group: the move alone (the step writes the weights)
-LOOKAHEAD_BYTES = 14  # after the step: reads main, m, v (12), writes the weight (2)
 
 
 @dataclass(frozen=True)
@@ -149,9 +147,9 @@ class GpuModel:
         return (f"{self.name}: {self.layers} layers of hidden {self.hidden}, micro-batch "
                 f"{self.micro_batch} x {self.seq} tokens; forwards at 40% of 990 TFLOP/s "
                 f"(backward 2x), steps and the methods' passes at "
-                f"{GPU_BYTES_PER_S / 1e12:g} TB/s ({STEP_BYTES} B a parameter a step, the "
-                f"prediction {PREDICT_BYTES} ({PREDICT_GROUP_BYTES} once a group), the "
-                f"look-ahead {LOOKAHEAD_BYTES})")
+                f"{GPU_BYTES_PER_S / 1e12:g} TB/s ({STEP_BYTES} B a parameter a step; "
+                + ", ".join(f"{m.name} {m.COST.gpu_bytes} a pass" for m in METHODS if m.COST)
+                + ")")
 
 
 GPU_MODELS = {m.name: m for m in (GpuModel("gpt2-medium", 24, 1024, 1024, 4),
@@ -171,21 +169,15 @@ def gpu_method_cost(shape: RunShape, model: GpuModel) -> MethodCost:
     """The run's method's cost on that GPU, in forwards of a stage."""
     costs = gpu_costs(model, shape.num_stages)
     moved = model.layers / shape.num_stages * model.layer_params() / GPU_BYTES_PER_S
-    predict = (PREDICT_GROUP_BYTES if shape.predicts_per_group else PREDICT_BYTES) \
-        if shape.predicts else 0
-    ahead = LOOKAHEAD_BYTES if shape.looks_ahead else 0
-    return MethodCost(predict * moved / costs.forward, ahead * moved / costs.forward,
-                      source=f"arithmetic ({model.name})")
+    per = {kind: sum(p.gpu_bytes for p in shape.passes if p.per == kind) * moved / costs.forward
+           for kind in ("stale forward", "step")}
+    return MethodCost(per["stale forward"], per["step"], source=f"arithmetic ({model.name})")
 
 
 def projected_seconds(shape: RunShape, costs: Costs, iterations: float,
                       per_iteration: Optional[Tuple[float, float]] = None) -> float:
-    """Projected accelerator time of ``iterations`` iterations (the stock-1F1B warm-up and
-    cool-down iterations at stock 1F1B's pace)."""
-    sync_s, main_s = per_iteration or seconds_per_iteration(shape, costs)
-    sync = stock_iterations(iterations, shape.sync_iters, shape.cooldown_start) \
-        if shape.schedule == "paci" else 0
-    return sync * sync_s + (iterations - sync) * main_s
+    """Projected accelerator time of ``iterations`` iterations."""
+    return iterations * (per_iteration or seconds_per_iteration(shape, costs))[1]
 
 
 def loss_at(points: Sequence[Point], x_index: int, x: float) -> Optional[float]:

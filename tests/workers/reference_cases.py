@@ -19,8 +19,8 @@ from typing import Dict, List
 import torch
 
 from paci_megatron.adapt import Adaptive, candidates
-from paci_megatron.features import (Lookahead, StaleGradCorrection, StaleGradWeights,
-                                    StageFeature, WeightPrediction)
+from paci_megatron.features import Lookahead, StageFeature, WeightPrediction
+from paci_megatron.features.weight_prediction import Prediction
 from paci_megatron.mcore import build
 from paci_megatron.mcore.reference import PipelineEmulator, StageParts, weights_sha256
 from paci_megatron.tools.backward_audit import audit_backward
@@ -38,8 +38,7 @@ SEED = 1234
 BASE = dict(tp=1, dp=1, a=4, n=4, calls=5, dropout=0.0, bf16=False, recompute=False,
             dist_opt=False, clip=0.3, layers=4, drain_after=None, eval_after=None,
             audit=False, factors=None, tied=False,
-            fp16=False, per_token=False, stale_weight=1.0, correction=0.0, predict=False,
-            predict_group=False, overlap=False, grad_overlap=False, kind="paci",
+            fp16=False, per_token=False, predict=False, overlap=False, grad_overlap=False, kind="paci",
             fp16_scales=(19, 20), warmup=8, param_gather=False, lookahead=0.0,
             optimizer="adam")
 CASES: Dict[str, Dict] = {
@@ -103,30 +102,6 @@ CASES: Dict[str, Dict] = {
     # gradients are rescaled between scales throughout
     "p2_fp16": dict(pp=2, a=2, calls=6, fp16=True),
     "p2_per_token": dict(pp=2, a=2, calls=4, per_token=True, dropout=0.1),
-    # --paci-stale-grad-weight: drift 2 and 1 in one group at stage 0 (a=2), with tied
-    # embeddings (the output-layer gradient joins after the weighting), a drain and
-    # evaluations; and with data parallelism (weighted before the reduction)
-    "p4_stale": dict(pp=4, a=4, n=8, calls=4, dropout=0.1, stale_weight=0.3),
-    "p4_tied_stale": dict(pp=4, a=2, calls=6, tied=True, drain_after=(3,), eval_after=(2, 4),
-                          stale_weight=0.5),
-    "p2_dp2_stale": dict(pp=2, dp=2, a=2, dropout=0.1, stale_weight=0.5),
-    "p2_per_token_stale": dict(pp=2, a=2, calls=4, per_token=True, dropout=0.1, stale_weight=0.5),
-    # tied + per-token + stale weights: stage 0's own half of the tied gradient is divided by
-    # its weighted token count, the last stage's half by the plain one
-    "p2_tied_per_token_stale": dict(pp=2, a=2, calls=4, tied=True, per_token=True, dropout=0.1,
-                                    stale_weight=0.5),
-    # --paci-stale-grad-correction: unweighted drifts during the warm-up, with a drain and an
-    # evaluation (p4_drain_eval's twin); weighted drifts with the distributed optimizer (sharded
-    # moments, data-parallel reduction first); fp16 (unscaled first, overflow steps skipped)
-    "p4_correct": dict(pp=4, a=4, n=8, calls=4, drain_after=(2,), eval_after=(2,),
-                       correction=2000.0),
-    "p2_dp2_distopt_correct": dict(pp=2, dp=2, a=2, dist_opt=True, dropout=0.1,
-                                   stale_weight=0.5, correction=2000.0),
-    "p2_fp16_correct": dict(pp=2, a=2, calls=6, fp16=True, correction=2000.0),
-    # tied embeddings (p4_tied's twin): stage 0 corrects the tied weight, the last stage's
-    # output-layer gradient included, with its own drift and its own moment
-    "p4_tied_correct": dict(pp=4, a=2, calls=6, tied=True, drain_after=(3,), eval_after=(2, 4),
-                            correction=2000.0),
     # --paci-weight-prediction (twins: p4_bf16, p4_tied, p2_fp16): forwards with drift 1 at
     # P=4, a=2 (audited: backwards read the current weights); tied with a drain and evaluations;
     # with data parallelism (each replica folds its own partial gradient); fp16 (the buffers
@@ -140,16 +115,9 @@ CASES: Dict[str, Dict] = {
                                      dropout=0.1, predict=True),
     "p2_fp16_predict": dict(pp=2, a=2, calls=6, fp16=True, predict=True),
     "p2_tp2_bf16_predict": dict(pp=2, tp=2, a=2, bf16=True, dropout=0.1, predict=True),
-    # --paci-weight-prediction-schedule per-group: one move at each group's first stale
-    # forward, left until the step (fp16: a skipped step puts the weights back itself)
-    "p4_bf16_predict_group": dict(pp=4, a=2, bf16=True, predict=True, predict_group=True),
     # --paci-weight-prediction-overlap: the runtime moves layer by layer, the emulator the
     # whole stage at once; on a CPU the two are the same numbers
     "p4_bf16_predict_overlap": dict(pp=4, a=2, bf16=True, predict=True, overlap=True),
-    "p2_fp16_predict_group": dict(pp=2, a=2, calls=6, fp16=True, predict=True,
-                                  predict_group=True),
-    "p2_dp2_distopt_bf16_predict_group": dict(pp=2, dp=2, a=2, dist_opt=True, bf16=True,
-                                              dropout=0.1, predict=True, predict_group=True),
     # --paci-lookahead: the model weights ahead after each step (a drain and evaluations put
     # the true ones back, the look-ahead returns); with the distributed optimizer: shards
     "p4_tied_bf16_lookahead": dict(pp=4, a=2, calls=6, tied=True, bf16=True, drain_after=(3,),
@@ -259,9 +227,7 @@ def run_runtime(case: str, out_dir: str) -> None:
     parts = build_parts(cfg)
     adaptive = Adaptive(cfg["pp"], cfg["n"], candidates(cfg["pp"], cfg["n"], None), interval=1,
                         tolerance=0.0, policy="cycle") if cfg["factors"] else None
-    features = ([StaleGradWeights(cfg["stale_weight"])] if cfg["stale_weight"] != 1.0 else []) \
-        + ([StaleGradCorrection(cfg["correction"])] if cfg["correction"] else []) \
-        + ([WeightPrediction(cfg["predict_group"], cfg["overlap"])] if cfg["predict"] else []) \
+    features = ([WeightPrediction(cfg["overlap"])] if cfg["predict"] else []) \
         + ([Lookahead(cfg["lookahead"])] if cfg["lookahead"] else [])
     rt = PaciRuntime(kind=cfg["kind"], accumulation=cfg["a"], features=features,
                      policy=AdaptivePlan(cfg["pp"], adaptive) if adaptive else None)
@@ -309,7 +275,7 @@ def run_runtime(case: str, out_dir: str) -> None:
                                   ahead=ahead))
 
         def after_forward(self, ctx, mb) -> None:
-            if cfg["predict"] and not cfg["predict_group"]:
+            if cfg["predict"]:
                 pieces = features[-1].layout.stage_pass.pieces
                 restores.append(all(p.target.equal(p.main.to(p.target.dtype)) for p in pieces))
 
@@ -346,13 +312,13 @@ def run_runtime(case: str, out_dir: str) -> None:
 def run_emulator(case: str, out_dir: str) -> None:
     cfg = config(case)
     info = build.init_distributed(tp=cfg["tp"], pp=1, seed=SEED, timeout_s=120)
+    # each method's emulated step, as Method.emulated makes it from the method's settings
+    prediction = WeightPrediction.emulated(Prediction(cfg["overlap"])) if cfg["predict"] else None
+    methods = ([prediction] if prediction else []) \
+        + ([Lookahead.emulated(cfg["lookahead"])] if cfg["lookahead"] else [])
     emu = PipelineEmulator(num_stages=cfg["pp"], accumulation=cfg["a"], micro_batch_size=MBS,
                            seq_length=16, build_stage=lambda s: build_parts(cfg), seed=SEED,
-                           stale_grad_weight=cfg["stale_weight"],
-                           stale_grad_correction=cfg["correction"],
-                           weight_prediction=cfg["predict"],
-                           prediction_per_group=cfg["predict_group"],
-                           lookahead=cfg["lookahead"])
+                           methods=methods)
     audits = {s: audit_backward(emu, s) for s in range(cfg["pp"])} if cfg["audit"] else {}
     losses: List[str] = []
     for call in range(cfg["calls"]):
@@ -368,7 +334,8 @@ def run_emulator(case: str, out_dir: str) -> None:
             losses=losses if s == cfg["pp"] - 1 else [], steps=steps,
             max_drift=max(stage.drift, default=0),
             histogram={str(k): v for k, v in sorted(stage.drift.items())},
-            predicted={str(k): v for k, v in sorted(stage.predicted.items())},
+            predicted={str(k): v for k, v in sorted(prediction.predicted[s].items())}
+            if prediction else {},
             audit=[dataclasses.asdict(v) for v in audits.get(s, [])],
             tied_histogram={str(k): v for k, v in sorted(emu.tied.histogram.items())}
             if emu.tied is not None and s == cfg["pp"] - 1 else {}))
