@@ -9,7 +9,6 @@ import time
 from typing import Dict, List, Optional
 
 from .features import method_cost_lines
-from .features.base import optimizer_of
 from .mcore import build, nadam
 from .mcore import runtime as mcore_runtime
 from .restart import trim_metrics
@@ -82,14 +81,13 @@ def write_metrics(job, record: Dict) -> None:
 
 
 def log_iteration(job, step: Dict, elapsed_ms: float) -> None:
-    args = job.args
     if not job.reporter:
         return
     stats = stage_stats(job)  # None for the stages this rank cannot see without a collective
     drift = [row and row["max"] for row in stats] if stats else None
     skipped = ([row and row["skipped_steps"] for row in stats] if stats
                else [0] * job.info["pp_size"])
-    tokens_per_s = step["samples"] * args.seq_length / (elapsed_ms / 1000.0)
+    tokens_per_s = step["samples"] * job.spec.seq_length / (elapsed_ms / 1000.0)
     lr = job.optimizer.param_groups[0]["lr"]
     gn = "n/a" if step["grad_norm"] is None else f"{step['grad_norm']:.3f}"
     drift_text = f" | PACI drift max (this stage) {drift[-1]}" if drift is not None else ""
@@ -99,9 +97,9 @@ def log_iteration(job, step: Dict, elapsed_ms: float) -> None:
     adaptive = job.runtime.policy.adaptive if job.opts.auto else None
     if adaptive is not None:
         drift_text += f" | PACI a {factor}"
-    eta_s = int(elapsed_ms / 1000.0 * (args.train_iters - job.iteration))
+    eta_s = int(elapsed_ms / 1000.0 * (job.train_iters - job.iteration))
     drift_text += f" | ETA {eta_s // 3600:d}:{eta_s // 60 % 60:02d}:{eta_s % 60:02d}"
-    log(f" iteration {job.iteration:8d}/{args.train_iters:8d} | consumed samples "
+    log(f" iteration {job.iteration:8d}/{job.train_iters:8d} | consumed samples "
         f"{job.consumed:10d} | elapsed time per iteration (ms): {elapsed_ms:.1f} | "
         f"tokens/s: {tokens_per_s:.0f} | learning rate: {lr:.4e} | lm loss: "
         f"{step['loss']:.6e} | grad norm: {gn}{drift_text}")
@@ -140,7 +138,7 @@ def memory_record(job) -> Dict:
 
 def log_start(job) -> None:
     """The start-up lines: which rank is which stage; on the reporting rank, the schedule."""
-    args, opts, info = job.args, job.opts, job.info
+    opts, info = job.opts, job.info
     log(f"[paci] rank {info['rank']} = pipeline stage {info['pp_rank']}, "
         f"tensor rank {info['tp_rank']}, data rank {info['dp_rank']}")
     if not job.reporter:
@@ -149,23 +147,22 @@ def log_start(job) -> None:
     log(f"> forward-backward function: {getattr(fb, '__module__', '')}."
         f"{getattr(fb, '__qualname__', repr(fb))}")
     features = job.runtime.describe() if job.runtime is not None else ""
-    log(f"> schedule {args.pipeline_schedule}: P={info['pp_size']} TP={info['tp_size']} "
-        f"DP={info['dp_size']} micro-batches/iteration={args.num_microbatches} a="
+    log(f"> schedule {opts.schedule}: P={info['pp_size']} TP={info['tp_size']} "
+        f"DP={info['dp_size']} micro-batches/iteration={opts.shape.per_call} a="
         + (f"auto (from {opts.accumulation}, every {opts.adapt_interval} iterations, "
            f"policy {opts.adapt_policy})" if opts.auto else f"{opts.accumulation}")
         + (f", {features}" if features else ""))
-    log(optimizer_line(args))
+    log(job.optimizer_line)
     for note in opts.notes:
         log(note)
 
 
-def optimizer_line(args) -> str:
+def optimizer_line(optimizer: str, betas: tuple, weight_decay: float, clip_grad: float) -> str:
     """Which optimizer steps, as the flags chose it (NAdam is not Megatron's own)."""
     name = {"adam": "Megatron-Core's Adam", "nadam": "torch's NAdam in Megatron-Core's Adam "
-            f"wrappers, momentum decay {nadam.MOMENTUM_DECAY:g}"}[optimizer_of(args)]
-    return (f"> optimizer {optimizer_of(args)} ({name}): betas ({args.adam_beta1:g}, "
-            f"{args.adam_beta2:g}), decoupled weight decay {args.weight_decay:g}, "
-            f"clip-grad {args.clip_grad:g}")
+            f"wrappers, momentum decay {nadam.MOMENTUM_DECAY:g}"}[optimizer]
+    return (f"> optimizer {optimizer} ({name}): betas ({betas[0]:g}, {betas[1]:g}), "
+            f"decoupled weight decay {weight_decay:g}, clip-grad {clip_grad:g}")
 
 
 def log_final_drift(dropped: int, drift: List[Dict]) -> None:

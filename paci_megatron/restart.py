@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 # flags a checkpoint must share with the run that loads it: (attribute, flag as the user types it)
 RUN_FLAGS: Tuple[Tuple[str, str], ...] = (
@@ -42,10 +42,11 @@ def restart_count(environ: Mapping[str, str]) -> int:
     return int(text) if text.isdigit() else 0
 
 
-def run_fingerprint(args, cfg) -> Dict:
-    """What a checkpoint records about the run that wrote it (see RUN_FLAGS); the accumulation
-    factor as resolved (``cfg``: a ``config.PaciConfig``)."""
-    found = {attr: getattr(args, attr, None) for attr, _ in RUN_FLAGS}
+def run_fingerprint(flags: Mapping[str, Any], cfg) -> Dict:
+    """What a checkpoint records about the run that wrote it (see RUN_FLAGS): its flag values
+    by name (``flags``, as the entry point parsed them), the accumulation factor as resolved
+    (``cfg``: a ``config.PaciConfig``)."""
+    found = {attr: flags.get(attr) for attr, _ in RUN_FLAGS}
     found["paci_accumulation_factor"] = cfg.accumulation
     return found
 

@@ -82,10 +82,9 @@ def use_nadam(optimizer, config) -> None:
     nadam.use_nadam(optimizer, decoupled_weight_decay=getattr(config, "decoupled_weight_decay",
                                                               True))
     if _rank0():
-        view = argparse.Namespace(paci_optimizer=NADAM, adam_beta1=config.adam_beta1,
-                                  adam_beta2=config.adam_beta2, weight_decay=config.weight_decay,
-                                  clip_grad=config.clip_grad)
-        print(f"> paci_megatron.run: {optimizer_line(view)[2:]}", flush=True)
+        line = optimizer_line(NADAM, (config.adam_beta1, config.adam_beta2),
+                              config.weight_decay, config.clip_grad)
+        print(f"> paci_megatron.run: {line[2:]}", flush=True)
 
 
 def parse_paci_arguments(argv: Sequence[str]) -> argparse.Namespace:

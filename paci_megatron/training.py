@@ -22,8 +22,8 @@ from .mcore import build, checkpoint
 from .mcore import runtime as mcore_runtime
 from .mcore.tied import tied_sha256
 from .job_log import (final_record, log, log_final_drift, log_iteration, log_start, mean_loss,
-                      memory_record, pipeline_table, tensorboard_writer, trim_metrics_file,
-                      write_metrics)
+                      memory_record, optimizer_line, pipeline_table, tensorboard_writer,
+                      trim_metrics_file, write_metrics)
 from .memory import LiveTensorMeter, SavedTensorMeter
 from .quiet import exit_after_local_rank0, is_local_rank0, is_rank0
 from .config import PaciConfig
@@ -61,6 +61,8 @@ class Job:
     started: float = field(default_factory=time.perf_counter)
     save_clock: Optional[SaveClock] = None  # --save-interval-minutes
     ramp: Any = None  # --rampup-batch-size: build.BatchRamp
+    train_iters: int = 0  # what the log below this layer reads, taken from the flags here
+    optimizer_line: str = ""
 
 
 def _gpt_spec(args):
@@ -110,7 +112,7 @@ def _check_checkpoint_matches(args, opts: PaciConfig) -> None:
     path = checkpoint.find_checkpoint(args.load)
     if path is None:
         return
-    saved, current = checkpoint.read_extra(path).get("run"), run_fingerprint(args, opts)
+    saved, current = checkpoint.read_extra(path).get("run"), run_fingerprint(vars(args), opts)
     problems = describe_mismatch(saved, current)
     for change in (describe_switch(saved, current), describe_reshard(saved, current)):
         if change and not problems and is_rank0():
@@ -128,7 +130,12 @@ def _check_lr_schedule_on_load(args) -> None:
     from .mcore import lr_resume
 
     try:
-        lr_resume.check_lr_schedule_on_load(args, log=log)
+        lr_resume.check_lr_schedule_on_load(lr_resume.LrFlags(
+            lr=args.lr, min_lr=args.min_lr, warmup_iters=args.lr_warmup_iters,
+            train_iters=args.train_iters, decay_style=args.lr_decay_style,
+            weight_decay=args.weight_decay, global_batch_size=args.global_batch_size,
+            load=args.load, override=args.override_opt_param_scheduler,
+            use_checkpoint=args.use_checkpoint_opt_param_scheduler), log=log)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -193,7 +200,10 @@ def setup(args, opts: PaciConfig) -> Job:
         uninstall = mcore_runtime.install_schedule(runtime.forward_backward)
     reporter = info["is_last"] and info["tp_rank"] == 0 and info["dp_rank"] == 0
     job = Job(args, opts, info, spec, model, optimizer, lr_scheduler, runtime,
-              mcore_runtime.get_forward_backward_func(), datasets, reporter, uninstall=uninstall)
+              mcore_runtime.get_forward_backward_func(), datasets, reporter, uninstall=uninstall,
+              train_iters=args.train_iters, optimizer_line=optimizer_line(
+                  args.optimizer, (args.adam_beta1, args.adam_beta2), args.weight_decay,
+                  args.clip_grad))
     if args.rampup_batch_size:
         job.ramp = build.BatchRamp(args.rampup_batch_size, args.global_batch_size,
                                    args.micro_batch_size, info["dp_size"], rank=info["rank"])
@@ -349,7 +359,7 @@ def save(job: Job) -> None:
     path = checkpoint.save_checkpoint(
         job.args.save, job.iteration, job.model, job.optimizer, job.lr_scheduler,
         extra={"consumed_samples": job.consumed, "schedule": job.args.pipeline_schedule,
-               "run": run_fingerprint(job.args, job.opts)},
+               "run": run_fingerprint(vars(job.args), job.opts)},
         fully_reshardable=job.args.dist_ckpt_optim_fully_reshardable)
     if job.save_clock is not None:
         job.save_clock.saved(time.perf_counter())

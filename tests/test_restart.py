@@ -29,6 +29,13 @@ NOT_REPLAYED = {"wall_s", "elapsed_ms", "tokens_per_sec", "peak_rss_mb", "peak_a
                 "max_drift"}
 
 
+
+def _fingerprint(argv, world_size):
+    from paci_megatron.arguments import parse_and_validate
+
+    args, cfg = parse_and_validate(argv, world_size=world_size)
+    return run_fingerprint(vars(args), cfg)
+
 def _stamp(stdout, name):
     """The times a worker printed after ``name``; anywhere in a line, since the ranks share the
     pipe and a killed rank's line can land inside another rank's."""
@@ -205,9 +212,7 @@ def test_load_of_a_missing_or_empty_dir_finds_nothing_but_partial_ones_are_refus
 
 
 def test_describe_mismatch_names_each_flag():
-    from paci_megatron.arguments import parse_and_validate
-
-    saved = run_fingerprint(*parse_and_validate(P4, world_size=4))
+    saved = _fingerprint(P4, 4)
     same = dict(saved)
     assert describe_mismatch(saved, same) == []
     assert describe_mismatch(None, same) == []  # a checkpoint from before fingerprints
@@ -231,9 +236,7 @@ def test_describe_mismatch_names_each_flag():
 
 
 def test_a_checkpoint_reshards_over_p_tp_and_dp_with_one_line():
-    from paci_megatron.arguments import parse_and_validate
-
-    saved = run_fingerprint(*parse_and_validate(P4, world_size=4))
+    saved = _fingerprint(P4, 4)
     assert describe_reshard(saved, saved) is None
     assert describe_reshard(None, saved) is None
     layouts = dict(pipeline_model_parallel_size=2, tensor_model_parallel_size=2,

@@ -11,6 +11,7 @@ already ended).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Dict, List, Optional
 
@@ -29,15 +30,31 @@ _FLAG_OF = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-war
             "wd_incr_steps": "--train-iters"}
 
 
-def scheduler_from_flags(args):
+@dataclass(frozen=True)
+class LrFlags:
+    """The flags of the LR schedule and of the choice between two schedules on --load."""
+
+    lr: float
+    min_lr: float
+    warmup_iters: int
+    train_iters: int
+    decay_style: str
+    weight_decay: float
+    global_batch_size: int
+    load: Optional[str] = None
+    override: bool = False  # --override-opt_param-scheduler
+    use_checkpoint: bool = False  # --use-checkpoint-opt_param-scheduler
+
+
+def scheduler_from_flags(flags: LrFlags):
     """The scheduler ``training.setup`` builds from these flags, on a stand-in optimizer (no
     model, no process group): the same function computes both, so they cannot disagree."""
     optimizer = SimpleNamespace(param_groups=[],
-                                config=SimpleNamespace(weight_decay=args.weight_decay))
-    gbs = args.global_batch_size
+                                config=SimpleNamespace(weight_decay=flags.weight_decay))
+    gbs = flags.global_batch_size
     return build.build_lr_scheduler(
-        optimizer, lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_iters * gbs,
-        decay_steps=args.train_iters * gbs, decay_style=args.lr_decay_style)
+        optimizer, lr=flags.lr, min_lr=flags.min_lr, warmup_steps=flags.warmup_iters * gbs,
+        decay_steps=flags.train_iters * gbs, decay_style=flags.decay_style)
 
 
 def saved_scheduler_state(root: str) -> Optional[Dict]:
@@ -69,35 +86,35 @@ def schedule_mismatches(flags: Dict, saved: Dict, global_batch_size: int) -> Lis
     return list(found.values())
 
 
-def check_lr_schedule_on_load(args, log=print) -> None:
+def check_lr_schedule_on_load(flags: LrFlags, log=print) -> None:
     """Before any process group: refuse a schedule mismatch that no flag resolves (raises
     ValueError naming both flags), and say which schedule a resolved one trains with."""
-    if not args.load:
+    if not flags.load:
         return
-    saved = saved_scheduler_state(args.load)
+    saved = saved_scheduler_state(flags.load)
     if saved is None:
         return
-    gbs = args.global_batch_size
-    mismatches = schedule_mismatches(scheduler_from_flags(args).state_dict(), saved, gbs)
+    gbs = flags.global_batch_size
+    mismatches = schedule_mismatches(scheduler_from_flags(flags).state_dict(), saved, gbs)
     if not mismatches:
         return
     detail = "; ".join(mismatches)
     rank0 = is_rank0()  # every rank checks (no process group yet); one says it
-    if args.override_opt_param_scheduler:
+    if flags.override:
         if rank0:
             log(f"> {OVERRIDE}: training on with the flags' LR schedule from the checkpoint's "
                 f"position ({saved['num_steps']} samples): {detail}")
         return
-    if args.use_checkpoint_opt_param_scheduler:
+    if flags.use_checkpoint:
         end = saved["lr_decay_steps"] / gbs
         ended = (f"; it ends at iteration {end:g}, so iterations {int(end) + 1}-"
-                 f"{args.train_iters} run at its minimum LR {saved['min_lr']:g}"
-                 if saved["lr_decay_style"] != "constant" and end < args.train_iters else "")
+                 f"{flags.train_iters} run at its minimum LR {saved['min_lr']:g}"
+                 if saved["lr_decay_style"] != "constant" and end < flags.train_iters else "")
         if rank0:
             log(f"> {USE_CHECKPOINT}: training with the checkpoint's LR schedule, not the "
                 f"flags'{ended} ({detail})")
         return
     raise ValueError(
-        f"--load {args.load}: the checkpoint's LR schedule differs from the flags' ({detail}); "
+        f"--load {flags.load}: the checkpoint's LR schedule differs from the flags' ({detail}); "
         f"add {OVERRIDE} to train with the flags' schedule (from the checkpoint's position), "
         f"or {USE_CHECKPOINT} to keep the checkpoint's (or restore the original flags)")
