@@ -28,7 +28,7 @@ def prediction() -> int:
 
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
     import prediction_pass as bench
-    from paci_megatron.features.weight_prediction import grad_factor, predict_ahead
+    from paci_megatron.features.moves import grad_factor, predict_ahead
     from paci_megatron.mcore import build, main_params
 
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),

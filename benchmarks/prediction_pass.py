@@ -29,7 +29,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from paci_megatron.features import prediction_pass as pp  # noqa: E402
-from paci_megatron.features.weight_prediction import grad_factor, predict_ahead  # noqa: E402
+from paci_megatron.features.moves import grad_factor, predict_ahead  # noqa: E402
 from paci_megatron.mcore import build, main_params  # noqa: E402
 from paci_megatron.mcore.reference import as_pipeline_stage  # noqa: E402
 

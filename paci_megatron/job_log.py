@@ -8,7 +8,7 @@ import json
 import time
 from typing import Dict, List, Optional
 
-from .features import method_cost_lines
+from .features import METHODS, method_cost_lines
 from .mcore import build, nadam
 from .mcore import runtime as mcore_runtime
 from .restart import trim_metrics
@@ -184,10 +184,9 @@ def final_record(job, summary: Dict, validation: Optional[float]) -> Dict:
     """The last metrics record: per stage, drift, skipped steps and peak memory."""
     memory, drift = summary["memory"], summary.get("drift", [])
     tied = [r.get("tied") for r in drift]
-    # a method's own cost, per stage, beside the forward it is stated in: the weight
-    # prediction's move + restore per predicted forward, the look-ahead's pass per step
-    costs = {key: [r.get(key) for r in drift] for key in ("predict_ms", "lookahead_ms")
-             if any(key in r for r in drift)}
+    # each method's own cost, per stage, beside the forward it is stated in (PassCost.key)
+    keys = [m.COST.key for m in METHODS if m.COST is not None]
+    costs = {key: [r.get(key) for r in drift] for key in keys if any(key in r for r in drift)}
     if costs:
         costs["method_forward_ms"] = [r.get("forward_ms") for r in drift]
     return {**({"tied_max_staleness": [t and t["max"] for t in tied]} if any(tied) else {}),

@@ -151,10 +151,11 @@ def test_the_pure_core_imports_neither_torch_nor_megatron():
 # and the methods' configuration side, the tools' own command lines); below them, the run's
 # config objects only.
 ADAPTERS = ("paci_megatron.arguments", "paci_megatron.config", "paci_megatron.run",
-            "paci_megatron.training", "paci_megatron.flag", "paci_megatron.features.base",
-            "paci_megatron.features.weight_prediction", "paci_megatron.features.lookahead")
-# the Megatron-LM drop-in's adapter: patches/megatron_lm/ as a whole, and every tool's own CLI
-ADAPTER_PACKAGES = ("paci_megatron.patches.megatron_lm", "paci_megatron.tools.")
+            "paci_megatron.training", "paci_megatron.flag")
+# the Megatron-LM drop-in's adapter (patches/megatron_lm/ as a whole), every method's
+# configuration side (features/: check, settings, off_note read the flags) and each tool's CLI
+ADAPTER_PACKAGES = ("paci_megatron.patches.megatron_lm", "paci_megatron.features",
+                    "paci_megatron.tools.")
 FLAG_NAMES = {"args", "margs"}
 
 

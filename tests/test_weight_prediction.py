@@ -469,10 +469,9 @@ def test_the_fused_kernel_allocates_no_full_size_temporary(tmp_path):
         "pp.predict(p, rows, 0.5); p.restore()\n"
         "after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         "print('GROWTH_KB', after - before)\n")
-    import subprocess
-    import sys
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300, check=True).stdout
+    from launch import run_python
+
+    out = run_python(code, timeout=300, check=True).stdout
     growth_kb = int(out.split("GROWTH_KB")[1])
     assert growth_kb < 16 * 1024, growth_kb  # 2^25 fp32 elements are 128 MB
 
@@ -616,8 +615,8 @@ def test_the_feature_compiles_at_start_up_and_times_every_move_after_it(monkeypa
     layout = feature.layout
     layout.stage_pass.device = torch.device("cpu")
     settled = []
-    ctx.prediction_layout = lambda: layout
-    ctx.settle_prediction = lambda sets, folds, inv: settled.append((list(sets), folds,
+    ctx.flat_state = lambda: layout
+    ctx.settle_pass = lambda sets, folds, inv: settled.append((list(sets), folds,
                                                                       float(inv)))
     feature.on_start(ctx)
     assert settled == [([], (True, False), 0.125)]
@@ -643,8 +642,8 @@ def test_per_token_loss_and_the_lookahead_settle_only_the_variants_they_run():
     ctx, _restored = _feature_ctx(feature, {}, per_token=True)
     feature.layout.stage_pass.device = torch.device("cpu")
     layout, settled = feature.layout, []
-    ctx.prediction_layout = lambda: layout
-    ctx.settle_prediction = lambda *a: settled.append(a)
+    ctx.flat_state = lambda: layout
+    ctx.settle_pass = lambda *a: settled.append(a)
     feature.on_start(ctx)  # per-token loss: the gradient is a token sum until R, never folded
     assert settled == [((), (False,), None)]
     ctx.stage = ctx.num_stages - 1  # the last stage: nothing to look ahead to, kernel settled

@@ -47,16 +47,16 @@ class StageContext:
     planned_drift: Callable[[int], int] = lambda mb: 0
     loss_scale_tensor: Callable[[], Any] = lambda: None  # the buffers' loss scale (None: 1)
     weights_moved: bool = False  # a hook moved the weights: the next forward refreshes caches
-    # the weight prediction's services (mcore/): the optimizer's check, the stage's flat state
-    # (main_params.StageLayout, made or re-homed at each stream start), the LRs of the next
-    # steps, the stage-local reduction of its clipping norm, and the distributed optimizer's
-    # all-gather that completes the weights after a move
-    check_prediction: Callable[[], None] = lambda: None
-    prediction_layout: Callable[[], Any] = lambda: None
-    prediction_mover: Callable[[], Any] = lambda: None  # layer by layer (or None: whole)
+    # services for methods that move the weights (mcore/): the optimizer's check, the stage's
+    # flat state (main_params.StageLayout, made or re-homed at each stream start), the LRs of
+    # the next steps, the stage-local reduction of a clipping norm, and the distributed
+    # optimizer's all-gather that completes the weights after a move
+    check_flat_state: Callable[[], None] = lambda: None
+    flat_state: Callable[[], Any] = lambda: None
+    layer_mover: Callable[[], Any] = lambda: None  # layer by layer (or None: whole)
     # the pass's kernel, decided once a run and alike on the stage's ranks (Pass.settle):
     # (the piece sets moved besides the whole stage, the folds, the loss scale's inverse)
-    settle_prediction: Callable[..., None] = lambda piece_sets=(), folds=(), inv_scale=None: None
+    settle_pass: Callable[..., None] = lambda piece_sets=(), folds=(), inv_scale=None: None
     lr_sum: Callable[[dict, int], float] = lambda group, steps: steps * group["lr"]
     reduce_stage_sumsq: Optional[Callable[[Any], None]] = None
     gather_weights: Callable[[], None] = lambda: None

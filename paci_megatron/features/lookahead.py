@@ -30,6 +30,7 @@ from typing import List, Optional
 
 from ..flag import ConfigError, Flag
 from .base import Method, PassCost, StageContext, optimizer_of
+from .moves import UNTIMED_COMPILE, flat_state_unsupported, predict_ahead, versions_kept
 from ..throughput import mean_forwards, projected_throughput
 from .timer import SpanTimer
 
@@ -64,8 +65,6 @@ def cost_lines(rows: List[dict], prefix: str = "> stage") -> List[str]:
              f"{r['forward_ms']:.2f} ms a forward ({r['lookahead_ms'] / r['forward_ms']:.2f} "
              "forwards a step)" for r in timed]
     with_it, plain = projected_throughput(rows, per_step=mean_forwards(timed, "lookahead_ms"))
-    from .weight_prediction import UNTIMED_COMPILE
-
     lines.append(f"> PACI: the look-ahead's cost leaves a projected throughput of {with_it:.2f}x "
                  f"1F1B's (plain PACI {plain:.2f}x; backward = 2 forwards); `python -m "
                  "paci_megatron.tools.compare --project-costs measured` projects whether its "
@@ -105,8 +104,6 @@ class Lookahead(Method):
         if getattr(args, "paci_weight_prediction", None):
             raise ConfigError(f"--paci-lookahead {strength:g} and --paci-weight-prediction "
                               "both move the weights ahead: choose one")
-        from .weight_prediction import flat_state_unsupported
-
         why = flat_state_unsupported(args)
         if why:
             raise ConfigError(f"--paci-lookahead {strength:g} {why} (or drop --paci-lookahead)")
@@ -147,11 +144,11 @@ class Lookahead(Method):
         self.forward_time.stop()
 
     def on_bind(self, ctx: StageContext) -> None:
-        ctx.check_prediction()
+        ctx.check_flat_state()
 
     def on_start(self, ctx: StageContext) -> None:
-        self.layout = ctx.prediction_layout()
-        ctx.settle_prediction((), (False,), None)  # its one variant: no gradient, no scale
+        self.layout = ctx.flat_state()
+        ctx.settle_pass((), (False,), None)  # its one variant: no gradient, no scale
         self.time.cuda = self.forward_time.cuda = self.layout.stage_pass.device.type == "cuda"
         self._look_ahead(ctx)
 
@@ -178,14 +175,12 @@ class Lookahead(Method):
         return self.strength * mean_drift(ctx.num_stages, ctx.stage, ctx.accumulation)
 
     def _look_ahead(self, ctx: StageContext) -> None:
-        from .weight_prediction import _versions_kept, predict_ahead
-
         steps = self.steps_ahead(ctx)
         sp = self.layout.stage_pass
         if not steps or not any(self.layout.step_count(k.inner) for k in sp.klasses):
             return  # the last stage, or no moments yet
         self.time.start()
-        with _versions_kept(ctx.params):
+        with versions_kept(ctx.params):
             moved = predict_ahead(self.layout, steps, None, lambda group, n: n * group["lr"])
             if moved:
                 ctx.gather_weights()
@@ -196,9 +191,7 @@ class Lookahead(Method):
     def _true_weights(self, ctx: StageContext) -> None:
         if not self.ahead:
             return
-        from .weight_prediction import _versions_kept
-
-        with _versions_kept(ctx.params):
+        with versions_kept(ctx.params):
             self.layout.stage_pass.restore()
             ctx.gather_weights()
         self.ahead = False
@@ -237,8 +230,6 @@ class EmulatedLookahead:
             self.ahead.discard(stage.index)
 
     def _look_ahead(self, stage) -> None:
-        from .weight_prediction import predict_ahead
-
         steps = self.strength * (stage.num_stages - 1 - stage.index) / stage.accumulation
         layout = stage.layout()
         if not steps or not any(layout.step_count(k.inner) for k in layout.stage_pass.klasses):

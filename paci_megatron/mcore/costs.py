@@ -27,7 +27,7 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.pipeline_parallel import schedules as mcore_schedules
 from megatron.core.utils import get_model_config, get_model_type
 
-from ..features.weight_prediction import predict_ahead
+from ..features.moves import predict_ahead
 from ..flag import ConfigError
 from . import compat, main_params
 

@@ -121,20 +121,21 @@ class PaciRuntime:
         self.lr_increment = lr_increment
         self.ctx.optimizer = optimizer
         admission.make_instance_groups()  # every rank binds: --num-distributed-optimizer-instances
-        self._wire_prediction(optimizer)
+        self._wire_flat_state(optimizer)
         for feature in self.user_features:
             feature.on_bind(self.ctx)
         self._stock_grad_groups = [getattr(opt, "grad_stats_parallel_group", None)
                                    for opt in sub_optimizers(optimizer)]
         self._use_stage_grad_stats(self.kind == "paci")
 
-    def _wire_prediction(self, optimizer) -> None:
-        """What the weight prediction reads of this stage (features/base.StageContext)."""
+    def _wire_flat_state(self, optimizer) -> None:
+        """The services a method that moves the weights reads of this stage
+        (features/base.StageContext)."""
         ctx = self.ctx
-        ctx.check_prediction = lambda: main_params.check_optimizer(optimizer)
-        ctx.prediction_layout = self.prediction_layout
-        ctx.prediction_mover = self.prediction_mover
-        ctx.settle_prediction = self.settle_prediction
+        ctx.check_flat_state = lambda: main_params.check_optimizer(optimizer)
+        ctx.flat_state = self.flat_state
+        ctx.layer_mover = self.layer_mover
+        ctx.settle_pass = self.settle_pass
         ctx.lr_sum = lambda group, steps: main_params.lr_sum(
             self.lr_scheduler, self.lr_increment_now(), group, steps)
         ctx.loss_scale_tensor = lambda: main_params.loss_scale_tensor(optimizer)
@@ -142,9 +143,9 @@ class PaciRuntime:
             t, admission.stage_grad_stats_group(optimizer))
         ctx.gather_weights = lambda: main_params.gather_weights(optimizer)
 
-    def prediction_layout(self):
-        """The stage's flat prediction state: made at the first stream, its replaced tensors
-        (a --load) re-homed at each later one."""
+    def flat_state(self):
+        """The stage's flat state (weights, main copies, moments): made at the first stream,
+        its replaced tensors (a --load) re-homed at each later one."""
         if self._layout is None:
             partial = [shared_weight(self.model)] if self.is_first \
                 and self._tied_in_plans(self.model) else []
@@ -154,7 +155,7 @@ class PaciRuntime:
             self._layout.rehome()
         return self._layout
 
-    def prediction_mover(self):
+    def layer_mover(self):
         """--paci-weight-prediction-overlap: the layer-by-layer move, or None (with a line
         saying why) where the stage moves whole."""
         from .prediction_overlap import LayerwiseMove
@@ -166,7 +167,7 @@ class PaciRuntime:
             return None
         return LayerwiseMove(self._layout, self.model)
 
-    def settle_prediction(self, piece_sets=(), folds=(True, False), inv_scale=None) -> None:
+    def settle_pass(self, piece_sets=(), folds=(True, False), inv_scale=None) -> None:
         """The pass's kernel for the whole run, at the first stream's start (before its
         first action, so before any collective of the training loop): every fused variant
         compiled on this stage's tensors, the stage's ranks agreeing (``Pass.settle``); a

@@ -11,9 +11,8 @@ wait for the first at each local step. Instead, as actions of the lists (``sched
   distributed optimizer this data-parallel rank's shard of it (Megatron puts the tied weight
   in a bucket of its own on both stages, so both shard it the same way). Under fp16 its loss
   scale follows in a tiny message. RG: stage 0 receives it before its R, which adds it to its
-  own reduced gradient (rescaled to stage 0's loss scale, a power of two: exact) after its own
-  weighting and before the per-token division: the sum stock's all-reduce computes at that
-  point, bit for bit;
+  own reduced gradient (rescaled to stage 0's loss scale, a power of two: exact) before the
+  per-token division: the sum stock's all-reduce computes at that point, bit for bit;
 * SW: stage 0 sends the weight it stepped to (its fp32 master copy, or its shard of it);
 * RW: right after sending SG of group i the last stage posts the receive of stage 0's weight
   after step i, and installs it at its own step i + L, L = ``shape.tied_lag(P, a)`` =

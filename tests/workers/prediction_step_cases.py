@@ -20,7 +20,7 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.pipeline_parallel import schedules as mcore_schedules
 from megatron.core.utils import get_model_config, get_model_type
 
-from paci_megatron.features.weight_prediction import grad_factor, predict_ahead
+from paci_megatron.features.moves import grad_factor, predict_ahead
 from paci_megatron.mcore import build, compat, main_params
 from paci_megatron.mcore.admission import stage_grad_stats_group
 
