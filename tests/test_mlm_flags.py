@@ -199,12 +199,12 @@ def test_resume_with_the_distributed_optimizer_and_overlaps_is_exact(tmp_path):
     assert second["summary"]["weights_sha256"] == whole["summary"]["weights_sha256"]
 
 
-@pytest.mark.parametrize("follows,accumulation,sync,expected", [
-    (True, 2, 0, 10),   # a = M: one local step per iteration
-    (False, 2, 0, 12),  # 8 iterations of M=2 (1 step each), then 2 of M=4 (2 each)
-    (False, 2, 9, 11),  # the first 9 iterations are stock 1F1B (one step each)
+@pytest.mark.parametrize("follows,accumulation,expected", [
+    (True, 2, 10),   # a = M: one local step per iteration
+    (False, 2, 12),  # 8 iterations of M=2 (1 step each), then 2 of M=4 (2 each)
+    (False, 1, 24),  # 8 iterations of M=2 (2 steps each), then 2 of M=4 (4 each)
 ])
-def test_resume_counts_the_local_steps_of_a_ramp(follows, accumulation, sync, expected):
+def test_resume_counts_the_local_steps_of_a_ramp(follows, accumulation, expected):
     """After --load at iteration 10 of the RAMP run, weight versions continue from the local
     steps already taken (M = 2 for 32 samples of 4, then 4)."""
     import types
@@ -214,7 +214,7 @@ def test_resume_counts_the_local_steps_of_a_ramp(follows, accumulation, sync, ex
     from paci_megatron.shape import StreamShape
     from paci_megatron.training import _local_steps_before
 
-    opts = PaciConfig("paci", StreamShape(2, accumulation, 2, 2, 1, sync),
+    opts = PaciConfig("paci", StreamShape(2, accumulation, 2, 2, 1),
                       accumulation_follows=follows)
     job = types.SimpleNamespace(opts=opts, iteration=10, ramp=BatchRamp([4, 4, 32], 8, 2, 1))
     assert _local_steps_before(job) == expected

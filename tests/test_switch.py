@@ -43,7 +43,6 @@ def test_a_paci_checkpoint_continues_under_stock_1f1b(tmp_path):
     assert sorted(_losses(first, second)) == list(range(1, 9))
     assert _losses(first) == {k: v for k, v in _losses(whole).items() if k <= 5}
     assert _lrs(first, second) == _lrs(whole)
-    assert second["summary"]["drift"][0]["steps"] == 3  # one step an iteration after the load
 
 
 def test_a_stock_1f1b_checkpoint_continues_under_paci(tmp_path):
@@ -60,4 +59,6 @@ def test_a_stock_1f1b_checkpoint_continues_under_paci(tmp_path):
     assert sorted(_losses(first, second)) == list(range(1, 9))
     assert _losses(first) == {k: v for k, v in _losses(whole).items() if k <= 4}
     assert _lrs(first, second) == _lrs(whole)
-    assert [row["steps"] for row in second["summary"]["drift"]] == [4 * 2] * 2
+    # the local-step count goes on from the load as if iterations 1-4 had been PACI's (4 x 2),
+    # then 4 iterations of 2 steps
+    assert [row["steps"] for row in second["summary"]["drift"]] == [4 * 2 + 4 * 2] * 2
