@@ -16,7 +16,6 @@ CPU kernels, so they hold on one machine, before and after.
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 from typing import Dict, List
@@ -24,7 +23,8 @@ from typing import Dict, List
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from launch import REPO, paci_summary, read_metrics, run_torchrun  # noqa: E402
+from launch import (REPO, launch, paci_summary, read_metrics, run_torchrun,  # noqa: E402
+                    torchrun_cmd)
 
 BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--micro-batch-size", "2", "--vocab-size", "128",
@@ -123,10 +123,10 @@ def _run_megatron_lm(flags: List[str], work: str) -> dict:
     if not root:
         raise SystemExit("mlm_* configs need MEGATRON_LM_PATH (a Megatron-LM checkout of the "
                          "installed megatron-core's minor release)")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "paci_megatron.run", os.path.join(root, "pretrain_gpt.py"), *MLM_FLAGS, *flags]
+    cmd = torchrun_cmd("paci_megatron.run", [os.path.join(root, "pretrain_gpt.py"), *MLM_FLAGS,
+                                             *flags], nproc=2, module=True)
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    out = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    out = launch(cmd, cwd=work, env=env, timeout=600)
     if out.returncode:
         raise RuntimeError(out.stdout[-3000:] + out.stderr[-3000:])
     lines = [m.group(0) for m in MLM_LINE.finditer(out.stdout)]

@@ -1,4 +1,10 @@
-"""Helpers to launch multi-process workers under torchrun from pytest."""
+"""The one place the tests start processes: ``start`` (a handle), ``launch`` (run to the end,
+bounded), ``run_python`` (a ``python -c`` snippet), ``torchrun_cmd`` / ``run_torchrun``
+(torchrun workers), and the readers of what workers print.
+
+Every process starts in a session of its own, and a timeout kills its whole tree
+(``kill_tree``) and raises an AssertionError carrying the tail of its output, so a hung child
+fails its test instead of stalling the suite."""
 
 import json
 import os
@@ -7,6 +13,7 @@ import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+PIPE, STDOUT = subprocess.PIPE, subprocess.STDOUT
 
 
 def kill_tree(pid: int) -> None:
@@ -31,6 +38,80 @@ def _tail(text: str, limit: int = 6000) -> str:
     return text if len(text) <= limit else "...\n" + text[-limit:]
 
 
+def start(cmd: Sequence, *, cwd=None, env: Optional[Dict[str, str]] = None,
+          stdout=PIPE, stderr=PIPE) -> subprocess.Popen:
+    """Start ``cmd`` in a session of its own (text mode) and hand back its Popen, for a test
+    that must watch it, signal its children or run two at once; end it with ``stop``.
+    ``cwd`` and ``env`` as subprocess takes them (None: this process's); ``stdout`` and
+    ``stderr``: PIPE, a file, STDOUT (stderr only) or None (this process's)."""
+    return subprocess.Popen(list(cmd), cwd=cwd, env=env, stdout=stdout, stderr=stderr,
+                            text=True, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Kill ``proc``'s whole tree if it still runs, and reap it."""
+    if proc.poll() is None:
+        kill_tree(proc.pid)
+    proc.wait()
+
+
+def _output(captured: Optional[str], stream) -> str:
+    """What a stream received: the captured text, or the file it was sent to."""
+    if captured is not None:
+        return captured
+    name = getattr(stream, "name", None)
+    if isinstance(name, str) and os.path.isfile(name):
+        with open(name, errors="replace") as f:
+            return f.read()
+    return ""
+
+
+def _failure(what: str, cmd: Sequence, out: str, err: str) -> AssertionError:
+    return AssertionError(f"{what}: {' '.join(map(str, cmd))}\n"
+                          f"--- stdout ---\n{_tail(out)}\n--- stderr ---\n{_tail(err)}")
+
+
+def launch(cmd: Sequence, *, timeout: float, cwd=None, env: Optional[Dict[str, str]] = None,
+           stdout=PIPE, stderr=PIPE, check: bool = False) -> subprocess.CompletedProcess:
+    """Run ``cmd`` to its end (``start``'s arguments) and return its CompletedProcess (text;
+    ``stdout``/``stderr`` None where not piped). Past ``timeout`` seconds its whole tree is
+    killed and an AssertionError carrying its output's tail is raised; so is one on a non-zero
+    exit when ``check``."""
+    proc = start(cmd, cwd=cwd, env=env, stdout=stdout, stderr=stderr)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)  # the command and everything it started
+        out, err = proc.communicate()
+        raise _failure(f"timed out after {timeout}s (hang?)", cmd, _output(out, stdout),
+                       _output(err, stderr)) from None
+    if check and proc.returncode != 0:
+        raise _failure(f"exit code {proc.returncode}", cmd, _output(out, stdout),
+                       _output(err, stderr))
+    return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
+
+
+def run_python(code: str, args: Sequence[str] = (), *, timeout: float, python_flags=(),
+               cwd=None, env: Optional[Dict[str, str]] = None,
+               check: bool = False) -> subprocess.CompletedProcess:
+    """``python [python_flags] -c code args`` in a fresh interpreter, through ``launch``."""
+    return launch([sys.executable, *python_flags, "-c", code, *map(str, args)], timeout=timeout,
+                  cwd=cwd, env=env, check=check)
+
+
+def torchrun_cmd(target: str, args: Sequence = (), *, nproc: Optional[int] = 1,
+                 standalone: bool = True, module: bool = False,
+                 launcher_args: Sequence[str] = ()) -> List[str]:
+    """``python -m torch.distributed.run [--standalone] [--nproc-per-node=N] LAUNCHER_ARGS
+    [-m] TARGET ARGS``: ``module`` runs TARGET as ``-m`` does; ``nproc`` None leaves the count
+    to ``launcher_args`` (a multi-node agent); ``--standalone`` picks a free rendezvous port,
+    so launches never collide."""
+    return [sys.executable, "-m", "torch.distributed.run",
+            *(["--standalone"] if standalone else []),
+            *([f"--nproc-per-node={nproc}"] if nproc is not None else []),
+            *launcher_args, *(["-m"] if module else []), target, *map(str, args)]
+
+
 def run_torchrun(
     script: str,
     args: Sequence[str] = (),
@@ -42,14 +123,13 @@ def run_torchrun(
 ) -> Tuple[int, str, str]:
     """Run ``torchrun --standalone --nproc-per-node nproc script args`` from the repo root.
 
-    ``--standalone`` picks a free rendezvous port, so launches never collide;
-    ``launcher_args`` go to torchrun itself (e.g. ``--max-restarts 2``). Returns
-    ``(returncode, stdout, stderr)``. On a timeout the whole process group is killed and an
-    AssertionError carrying the output is raised; so is one on a non-zero exit when ``check``.
+    ``launcher_args`` go to torchrun itself (e.g. ``--max-restarts 2``); ``env`` is added to
+    this process's, with the repo first on PYTHONPATH. Returns ``(returncode, stdout,
+    stderr)``. On a timeout the whole tree is killed and an AssertionError carrying the output
+    is raised; so is one on a non-zero exit when ``check``.
     """
     script_path = script if os.path.isabs(script) else os.path.join(REPO, script)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", *launcher_args, script_path, *map(str, args)]
+    cmd = torchrun_cmd(script_path, args, nproc=nproc, launcher_args=launcher_args)
     full_env = dict(os.environ)
     full_env["PYTHONPATH"] = os.pathsep.join(
         p for p in (REPO, full_env.get("PYTHONPATH", "")) if p)
@@ -57,23 +137,8 @@ def run_torchrun(
     full_env["PYTHONUNBUFFERED"] = "1"
     if env:
         full_env.update(env)
-    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)  # torchrun and every worker
-        out, err = proc.communicate()
-        raise AssertionError(
-            f"timed out after {timeout}s (hang?): {' '.join(cmd)}\n"
-            f"--- stdout ---\n{_tail(out)}\n--- stderr ---\n{_tail(err)}"
-        ) from None
-    if check and proc.returncode != 0:
-        raise AssertionError(
-            f"exit code {proc.returncode}: {' '.join(cmd)}\n"
-            f"--- stdout ---\n{_tail(out)}\n--- stderr ---\n{_tail(err)}"
-        )
-    return proc.returncode, out, err
+    done = launch(cmd, cwd=REPO, env=full_env, timeout=timeout, check=check)
+    return done.returncode, done.stdout, done.stderr
 
 
 def parse_results(stdout: str, prefix: str = "RESULT ") -> List[dict]:
@@ -177,9 +242,8 @@ print("TENSORS " + json.dumps(dict(total=len(keys), same=len(same),
 def same_tensors(path_a, path_b, port: str) -> dict:
     """Every tensor of checkpoint ``path_a`` (model weights and optimizer moments, read whole by
     Megatron-Core whatever layout wrote it) compared with ``path_b``'s: total, same, differ."""
-    out = subprocess.run([sys.executable, "-c", PLAIN_TENSORS, str(path_a), str(path_b), port],
-                         cwd=REPO, capture_output=True, text=True, timeout=180,
-                         env={**os.environ, "PYTHONPATH": REPO})
+    out = run_python(PLAIN_TENSORS, [path_a, path_b, port], cwd=REPO, timeout=180,
+                     env={**os.environ, "PYTHONPATH": REPO})
     line = next((l for l in out.stdout.splitlines() if l.startswith("TENSORS ")), None)
     assert line, _tail(out.stdout + out.stderr)
     return json.loads(line[len("TENSORS "):])

@@ -5,12 +5,11 @@ bit."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from launch import REPO, kill_tree
+from launch import REPO, launch
 from paci_megatron.tools.bench_overhead import ARMS, CLOCKS, parse_args
 
 TIMEOUT_S = 240
@@ -20,15 +19,9 @@ TIMEOUT_S = 240
 def report(tmp_path_factory):
     path = tmp_path_factory.mktemp("overhead") / "report.json"
     cmd = [sys.executable, "-m", "paci_megatron.tools.bench_overhead", "--quick", "--json", str(path)]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True,
-                            env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"))
-    try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"bench_overhead hung past {TIMEOUT_S}s\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    proc = launch(cmd, cwd=REPO, timeout=TIMEOUT_S,  # past it: the tree killed, a failure
+                  env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"))
+    stdout, stderr = proc.stdout, proc.stderr
     assert proc.returncode == 0, f"{stdout[-3000:]}\n{stderr[-3000:]}"
     return json.loads(path.read_text()), stdout
 

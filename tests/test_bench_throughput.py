@@ -5,12 +5,11 @@ cost. No wall-clock threshold here: the timings live in the benchmark's output o
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 
-from launch import REPO, kill_tree
+from launch import REPO, launch
 from paci_megatron.tools.bench_throughput import (Bench, chrome_trace, parse_args, simulate_stream,
                                             summarize)
 from paci_megatron.schedule import Action, Op, build_flush, build_paci
@@ -33,15 +32,10 @@ def executed(tmp_path_factory):
     """{(M, kind): [spans of stage 0, ..., stage P-1]} from one launch of P processes."""
     out = tmp_path_factory.mktemp("bench") / "actions.json"
     cmd = [sys.executable, "tests/workers/bench_actions.py", str(out), str(P), *map(str, MS)]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True,
-                            env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"))
-    try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)  # the launcher and every stage process
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"benchmark stages hung past {TIMEOUT_S}s\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    # past TIMEOUT_S the launcher and every stage process are killed, and the test fails
+    proc = launch(cmd, cwd=REPO, timeout=TIMEOUT_S,
+                  env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"))
+    stdout, stderr = proc.stdout, proc.stderr
     assert proc.returncode == 0, f"{stdout[-3000:]}\n{stderr[-3000:]}"
     return {(r["M"], r["kind"]): [st["spans"] for st in r["stages"]]
             for r in json.loads(out.read_text())}

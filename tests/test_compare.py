@@ -4,12 +4,11 @@ same runs, the variant's local steps and drift beside stock 1F1B."""
 
 import json
 import math
-import subprocess
 import sys
 
 import pytest
 
-from launch import REPO, paci_summary, read_metrics
+from launch import REPO, launch, paci_summary, read_metrics
 
 pytestmark = pytest.mark.dist
 
@@ -19,13 +18,13 @@ NAME = "paci-a4"  # a = 4 of M = 8: two local steps an iteration
 
 
 def _compare(out, *extra, iters=ITERS):
-    return subprocess.run(
+    return launch(
         [sys.executable, "-m", "paci_megatron.tools.compare", "--schedules", "1f1b",
          "--run", f"{NAME}=--pipeline-schedule paci --paci-accumulation-factor 4",
          "--seeds", ",".join(map(str, SEEDS)), "--timeout", "400", "--out", str(out), *extra,
          "--", "--untie-embeddings-and-output-weights", "--num-layers", "2", "--hidden-size",
          "32", "--seq-length", "16", "--train-iters", str(iters), "--measure-activation-memory"],
-        capture_output=True, text=True, timeout=1200, cwd=REPO)
+        timeout=1200, cwd=REPO)
 
 
 @pytest.fixture(scope="module")

@@ -3,12 +3,11 @@
 costs; the report and stdout say so."""
 
 import json
-import subprocess
 import sys
 
 import pytest
 
-from launch import REPO
+from launch import REPO, launch
 from paci_megatron.tools import tta
 from paci_megatron.tools.compare import CompareError, build_parser, _cost_flags, timing_flags
 from paci_megatron.simulate import Costs
@@ -22,13 +21,13 @@ pytestmark = pytest.mark.dist
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     out = tmp_path_factory.mktemp("compare_costs") / "report"
-    proc = subprocess.run(
+    proc = launch(
         [sys.executable, "-m", "paci_megatron.tools.compare", "--schedules", "paci",
          "--project-costs", "measured", "--timeout", "400", "--out", str(out), "--",
          "--untie-embeddings-and-output-weights", "--num-layers", "4", "--hidden-size", "32",
          "--seq-length", "16", "--train-iters", "2",
          "--bf16"],  # bf16: the run predicts by default, and the prediction is timed too
-        capture_output=True, text=True, timeout=900, cwd=REPO)
+        timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return out, proc.stdout
 

@@ -7,12 +7,10 @@ grad reduce and the distributed optimizer, dropout reproducibility and activatio
 """
 
 import math
-import subprocess
-import sys
 
 import pytest
 
-from launch import REPO, results_by_case, run_torchrun
+from launch import REPO, results_by_case, run_python, run_torchrun
 
 try:
     from paci_megatron.patches import cpu_gloo, release_check, versions
@@ -54,8 +52,7 @@ def test_version_read_is_light_and_both_import_names_work():
         "    pass\n"
         "print(v)\n" % REPO
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60)
+    out = run_python(code, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() in versions.TESTED_MCORE_VERSIONS
 
@@ -111,8 +108,7 @@ def test_apply_cpu_patches_in_a_fresh_process():
     """Idempotent, targeted (no global torch.cuda change), and the CPU RNG tracker works."""
     if cpu_gloo.torch.cuda.is_available():
         pytest.skip("apply_cpu_patches is a no-op with CUDA")
-    out = subprocess.run([sys.executable, "-c", _APPLY_CHECK % {"repo": REPO}],
-                         capture_output=True, text=True, timeout=120)
+    out = run_python(_APPLY_CHECK % {"repo": REPO}, timeout=120)
     assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr[-4000:]
 
 
@@ -300,8 +296,7 @@ def test_low_precision_gemm_runs_in_fp32_only_without_a_native_kernel(native):
     with one for bf16 alone, the patch then on for fp16), the bf16 GEMMs are left alone."""
     if cpu_gloo.torch.cuda.is_available():
         pytest.skip("apply_cpu_patches is a no-op with CUDA")
-    out = subprocess.run([sys.executable, "-c", _GEMM_CHECK % {"repo": REPO, "native": native}],
-                         capture_output=True, text=True, timeout=120)
+    out = run_python(_GEMM_CHECK % {"repo": REPO, "native": native}, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr[-4000:]
     dtype = "float32" if native == "False" else "bfloat16"
     assert f"DTYPES ['torch.{dtype}'] 3" in out.stdout, out.stdout

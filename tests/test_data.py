@@ -9,13 +9,12 @@ import json
 import os
 import random
 import re
-import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from launch import REPO, parse_results, run_torchrun
+from launch import REPO, launch, parse_results, run_torchrun
 from messages import error_line, names_flag
 
 pytest.importorskip("sentencepiece")
@@ -151,11 +150,11 @@ def test_cli_prints_training_flags(small_dataset, tmp_path):
     path = tmp_path / "d.json"
     path.write_text("".join(json.dumps({"text": p}) + "\n"
                             for p in small_dataset["paragraphs"][:20]))
-    proc = subprocess.run(
+    proc = launch(
         [sys.executable, "-m", "paci_megatron.tools.preprocess_data", "--input", str(path),
          "--output-prefix", str(tmp_path / "cli"), "--tokenizer-model", small_dataset["model"],
          "--vocab-size", "400", "--workers", "1"],
-        cwd=REPO, capture_output=True, text=True, timeout=120)
+        cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr
     expected = (f"--data-path {tmp_path / 'cli_text_document'} --tokenizer-type "
                 f"SentencePieceTokenizer --tokenizer-model {small_dataset['model']} "
@@ -210,11 +209,11 @@ def test_cli_errors(case, small_dataset, tmp_path, capsys):
 
 
 def test_cli_error_exit_code_without_traceback(tmp_path):
-    proc = subprocess.run(
+    proc = launch(
         [sys.executable, "-m", "paci_megatron.tools.preprocess_data", "--input",
          str(tmp_path / "missing.txt"), "--output-prefix", str(tmp_path / "x"),
          "--tokenizer-model", str(tmp_path / "m.model")],
-        cwd=REPO, capture_output=True, text=True, timeout=60)
+        cwd=REPO, timeout=60)
     assert proc.returncode == 2
     message = error_line(proc.stderr)
     assert names_flag(message, "--input") and "no such file" in message

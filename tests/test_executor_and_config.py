@@ -1,7 +1,6 @@
 """In-process tests: the executor with fake handlers, in-place steps under autograd, the data
 replay, and flag validation (no process groups)."""
 
-import subprocess
 import sys
 
 import pytest
@@ -169,10 +168,12 @@ def test_registry_is_open_and_names_known_schedules():
 
 
 def test_entry_point_rejects_bad_flags_before_starting():
-    proc = subprocess.run(
+    from launch import launch
+
+    proc = launch(
         [sys.executable, "pretrain_gpt_paci.py", "--paci-accumulation-factor", "0",
          "--untie-embeddings-and-output-weights"],
-        capture_output=True, text=True, timeout=120, env={"WORLD_SIZE": "2", "PATH": ""},
+        timeout=120, env={"WORLD_SIZE": "2", "PATH": ""},
         cwd=str(__import__("pathlib").Path(__file__).parents[1]))
     assert proc.returncode == 2
     assert "--paci-accumulation-factor must be >= 1" in proc.stderr

@@ -3,14 +3,12 @@ time with a message naming the rank and stage (no hang)."""
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import psutil
 import pytest
 
-from launch import REPO, kill_tree, run_torchrun
+from launch import REPO, STDOUT, kill_tree, run_torchrun, start, torchrun_cmd
 
 pytestmark = pytest.mark.dist
 
@@ -22,11 +20,9 @@ JOB = ["--pipeline-model-parallel-size", "4", "--num-layers", "4", "--hidden-siz
 
 def _start_job(tmp_path):
     log = open(tmp_path / "job.log", "w+")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-           os.path.join(REPO, "pretrain_gpt_paci.py"), *JOB]
+    cmd = torchrun_cmd(os.path.join(REPO, "pretrain_gpt_paci.py"), JOB, nproc=4)
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
+    proc = start(cmd, cwd=REPO, stdout=log, stderr=STDOUT, env=env)
     return proc, log
 
 
@@ -108,12 +104,12 @@ def test_job_killed_while_saving_leaves_previous_checkpoint_loadable(tmp_path):
 
     ckpt = tmp_path / "ckpt"
     log = open(tmp_path / "job.log", "w+")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           os.path.join(REPO, "pretrain_gpt_paci.py"), "--untie-embeddings-and-output-weights",
-           "--num-layers", "2", "--hidden-size", "32", "--seq-length", "16",
-           "--train-iters", "1000", "--save", str(ckpt), "--save-interval", "1"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    cmd = torchrun_cmd(os.path.join(REPO, "pretrain_gpt_paci.py"), [
+        "--untie-embeddings-and-output-weights", "--num-layers", "2", "--hidden-size", "32",
+        "--seq-length", "16", "--train-iters", "1000", "--save", str(ckpt), "--save-interval",
+        "1"], nproc=2)
+    proc = start(cmd, cwd=REPO, stdout=log, stderr=STDOUT,
+                 env=dict(os.environ, OMP_NUM_THREADS="1"))
     caught = None
     try:
         end = time.time() + 150

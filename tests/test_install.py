@@ -6,7 +6,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 
@@ -14,15 +13,14 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from launch import REPO
+from launch import REPO, launch, run_python
 
 
 def _requirements():
     code = ("import runpy, setuptools\n"
             "setuptools.setup = lambda **kw: print(repr(kw['install_requires']))\n"
             "runpy.run_path('setup.py')\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                         timeout=60, check=True)
+    out = run_python(code, cwd=REPO, timeout=60, check=True)
     return {r.name: r for r in map(Requirement, eval(out.stdout.strip().splitlines()[-1]))}
 
 
@@ -53,10 +51,9 @@ def _planned_installs(python, *extra):
     """What ``pip install -e REPO`` would install there (a dry run, nothing from an index)."""
     with tempfile.TemporaryDirectory() as folder:
         report = os.path.join(folder, "report.json")
-        proc = subprocess.run([python, "-m", "pip", "install", "--dry-run", "--quiet",
-                               "--no-build-isolation", "--report", report, *extra, "-e", REPO],
-                              cwd=REPO, timeout=300, capture_output=True, text=True,
-                              env=_env_without_pip_config() if extra else None)
+        proc = launch([python, "-m", "pip", "install", "--dry-run", "--quiet",
+                       "--no-build-isolation", "--report", report, *extra, "-e", REPO],
+                      cwd=REPO, timeout=300, env=_env_without_pip_config() if extra else None)
         assert proc.returncode == 0, proc.stderr[-3000:]
         with open(report) as handle:
             return {item["metadata"]["name"]: item["metadata"]["version"]
@@ -90,14 +87,12 @@ def bare_venv(tmp_path_factory):
     shadow this environment's (pip reads the first of a name on the path), whose setuptools
     builds the editable metadata."""
     root = tmp_path_factory.mktemp("venv")
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(root)],
-                   check=True, timeout=300)
+    launch([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(root)],
+           check=True, timeout=300, stdout=None, stderr=None)
     python = str(root / "bin" / "python")
-    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()"
-                           "['purelib'])"], check=True, capture_output=True, text=True,
-                          timeout=60).stdout.strip()
-    if subprocess.run([python, "-c", "import setuptools, pip"], timeout=60,
-                      capture_output=True).returncode != 0:
+    site = launch([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                  check=True, timeout=60).stdout.strip()
+    if launch([python, "-c", "import setuptools, pip"], timeout=60).returncode != 0:
         pytest.skip("this Python's base has no setuptools to build the editable metadata "
                     "without an index (leg 2's 3.12); leg 1 runs it")
     return python, site

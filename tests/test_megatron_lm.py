@@ -23,7 +23,8 @@ from typing import List, NamedTuple, Optional
 
 import pytest
 
-from launch import REPO, kill_tree, megatron_lm_args, run_torchrun, same_tensors
+from launch import (REPO, kill_tree, launch, megatron_lm_args, run_python, run_torchrun,
+                    same_tensors, start, torchrun_cmd)
 
 from paci_megatron import run as paci_run
 from paci_megatron.patches import megatron_lm, release_check, versions
@@ -267,8 +268,7 @@ def test_other_megatron_lm_versions_are_refused(tmp_path):
         except megatron_lm.UnsupportedMegatronLM as exc:
             print("REFUSED", exc)
     """)
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "PYTHONPATH": REPO})
+    out = run_python(code, cwd=REPO, timeout=120, env={**os.environ, "PYTHONPATH": REPO})
     assert "REFUSED" in out.stdout, out.stdout + out.stderr
     assert "version 0.15.0" in out.stdout
     assert all(r.megatron_lm_tag in out.stdout for r in versions.RELEASES)
@@ -280,22 +280,13 @@ def run_pretrain_gpt(checkout, extra, cwd, timeout=300, nproc=2, model_flags=MOD
     """torchrun ``nproc`` processes of ``-m paci_megatron.run pretrain_gpt.py``; (rc, stdout,
     stderr). On a timeout both workers and torchrun are killed (torchrun starts each worker in
     a session of its own)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", "-m", "paci_megatron.run", checkout.script, *CPU_FLAGS,
-           *model_flags, *extra]
+    cmd = torchrun_cmd("paci_megatron.run", [checkout.script, *CPU_FLAGS, *model_flags, *extra],
+                       nproc=nproc, module=True)
     env = dict(os.environ, PYTHONPATH=checkout.pythonpath)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        out, err = proc.communicate()
-        raise AssertionError(f"timed out after {timeout}s: {' '.join(cmd)}\n{out[-4000:]}\n"
-                             f"{err[-4000:]}") from None
-    return proc.returncode, out, err
+    done = launch(cmd, cwd=cwd, env=env, timeout=timeout)
+    return done.returncode, done.stdout, done.stderr
 
 
 def _ok(checkout, extra, cwd, **kwargs):
@@ -437,8 +428,8 @@ def test_the_listed_default_differences_with_megatron_lm_are_all_there_are(check
         differ = sorted(d for d in set(ours) & set(theirs) if d != "help" and ours[d] != theirs[d])
         print("DIFFER", differ, sorted(MEGATRON_LM_DEFAULT_DIFFERENCES))
     """)
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "PYTHONPATH": checkout.pythonpath})
+    out = run_python(code, cwd=REPO, timeout=120,
+                     env={**os.environ, "PYTHONPATH": checkout.pythonpath})
     line = next(l for l in out.stdout.splitlines() if l.startswith("DIFFER"))
     differ, listed = eval(line[len("DIFFER "):].replace("] [", "], ["))
     assert differ == listed
@@ -554,8 +545,7 @@ def test_the_megatron_lm_extra_is_what_pretrain_gpt_imports(checkout, without, m
     naming the extra; without one it does not import, it still starts."""
     worker = os.path.join(REPO, "tests", "workers", "clean_env_import.py")
     cmd = [sys.executable, worker, checkout.script] + (["--without", without] if without else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": checkout.pythonpath})
+    proc = launch(cmd, timeout=600, env={**os.environ, "PYTHONPATH": checkout.pythonpath})
     release = versions.minor_of(megatron_lm.megatron_lm_checkout_version(checkout.root))
     if without is None or without not in STARTUP_IMPORTS[release]:
         assert "\nIMPORTED" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -575,9 +565,9 @@ def test_a_killed_rank_restarts_through_the_drop_in(checkout, tmp_path):
     worker = os.path.join(REPO, "tests", "workers", "megatron_lm_restart.py")
     flags = [flag if flag != "4" or prev != "--train-iters" else "6"
              for prev, flag in zip([""] + MODEL_FLAGS, MODEL_FLAGS)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "--max-restarts", "1", worker, checkout.script, *CPU_FLAGS, *flags,
-           "--pipeline-schedule", "paci", "--save", ckpt, "--load", ckpt, "--save-interval", "2"]
+    cmd = torchrun_cmd(worker, [checkout.script, *CPU_FLAGS, *flags, "--pipeline-schedule",
+                                "paci", "--save", ckpt, "--load", ckpt, "--save-interval", "2"],
+                       nproc=2, launcher_args=["--max-restarts", "1"])
     marker = f"{os.getpid()}-{id(tmp_path)}"  # names the processes this launch starts
     env = dict(os.environ, PYTHONPATH=checkout.pythonpath,
                PACI_TEST_FAULT="before_iteration:1:4", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
@@ -585,8 +575,7 @@ def test_a_killed_rank_restarts_through_the_drop_in(checkout, tmp_path):
     # Files, not pipes: the killed rank's checkpoint writer (megatron-core's multiprocessing
     # Manager, from 0.17 on) outlives it and would hold a pipe open after torchrun exits.
     with open(tmp_path / "out.txt", "w") as out_file, open(tmp_path / "err.txt", "w") as err_file:
-        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=out_file, stderr=err_file,
-                                text=True, start_new_session=True)
+        proc = start(cmd, cwd=tmp_path, env=env, stdout=out_file, stderr=err_file)
         timed_out = False
         try:
             proc.wait(timeout=400)

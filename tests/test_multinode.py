@@ -7,12 +7,11 @@ import os
 import re
 import socket
 import subprocess
-import sys
 import time
 
 import pytest
 
-from launch import REPO, kill_tree
+from launch import REPO, STDOUT, kill_tree, start, torchrun_cmd
 
 pytestmark = pytest.mark.dist
 
@@ -28,20 +27,20 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _agent(node_rank: int, port: int, log_path: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run",
-           "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node_rank),
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-           "--rdzv-id", f"paci-multinode-{port}", "--max-restarts", "0",
-           os.path.join(REPO, "pretrain_gpt_paci.py"), *FLAGS]
+def _agent(node_rank: int, port: int, log_path: str):
+    cmd = torchrun_cmd(os.path.join(REPO, "pretrain_gpt_paci.py"), FLAGS, nproc=None,
+                       standalone=False, launcher_args=[
+                           "--nnodes", "2", "--nproc-per-node", "1", "--node-rank",
+                           str(node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                           f"127.0.0.1:{port}", "--rdzv-id", f"paci-multinode-{port}",
+                           "--max-restarts", "0"])
     env = dict(os.environ, PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="lo",
                PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", ""))
                                           if p))
     env.setdefault("OMP_NUM_THREADS", "1")
     log = open(log_path, "w")
     try:
-        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        return start(cmd, cwd=REPO, env=env, stdout=log, stderr=STDOUT)
     finally:
         log.close()  # the child keeps its own descriptor
 

@@ -2,12 +2,10 @@
 one error line, once, without the usage text."""
 
 import argparse
-import subprocess
-import sys
 
 import pytest
 
-from launch import REPO, run_torchrun
+from launch import REPO, run_python, run_torchrun
 from messages import error_messages, names_flag
 
 
@@ -18,8 +16,7 @@ def test_only_the_fallback_warnings_are_silenced():
             "warnings.warn('Apex is not installed. Falling back to Torch Norm')\n"
             "warnings.warn('Transformer Engine is not installed. Falling back to X')\n"
             "warnings.warn('Apex is not installed here, some other warning')\n")
-    proc = subprocess.run([sys.executable, "-W", "always", "-c", code], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    proc = run_python(code, python_flags=["-W", "always"], cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "Falling back to" not in proc.stderr
     assert "Apex is not installed here, some other warning" in proc.stderr

@@ -2,12 +2,11 @@
 
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 
-from launch import REPO, read_metrics, run_torchrun
+from launch import REPO, launch, read_metrics, run_torchrun
 from messages import error_messages, names_flag
 
 SHAKESPEARE = os.path.join(REPO, "..", "shared", "data", "tinyshakespeare.txt")
@@ -27,11 +26,11 @@ def shakespeare(tmp_path_factory):
     if not os.path.exists(SHAKESPEARE):
         pytest.skip(f"{SHAKESPEARE} is absent (the shared corpus is not on this machine)")
     out = tmp_path_factory.mktemp("shakespeare")
-    proc = subprocess.run(
+    proc = launch(
         [sys.executable, "-m", "paci_megatron.tools.preprocess_data", "--input", SHAKESPEARE,
          "--output-prefix", str(out / "shakespeare"), "--tokenizer-model",
          str(out / "spm.model"), "--vocab-size", "512"],
-        capture_output=True, text=True, timeout=300, cwd=REPO)
+        timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     flags = proc.stdout.strip().splitlines()[-1].split()
     assert "--data-path" in flags and "--tokenizer-model" in flags
