@@ -4,7 +4,8 @@ bounded), ``run_python`` (a ``python -c`` snippet), ``torchrun_cmd`` / ``run_tor
 
 Every process starts in a session of its own, and a timeout kills its whole tree
 (``kill_tree``) and raises an AssertionError carrying the tail of its output, so a hung child
-fails its test instead of stalling the suite."""
+fails its test instead of stalling the suite. tests/conftest.py refuses all of them in the fast
+tier."""
 
 import json
 import os
@@ -14,6 +15,16 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 PIPE, STDOUT = subprocess.PIPE, subprocess.STDOUT
+
+
+class ProcessRefused(RuntimeError):
+    """Raised by tests/conftest.py's guard where a fast-tier test starts a process."""
+
+    MESSAGE = ("a fast-tier test launched a process: mark it dist (or add it to the deny-list "
+               "in conftest.py)")
+
+    def __init__(self, how: str = ""):
+        super().__init__(f"{self.MESSAGE}{f' ({how})' if how else ''}")
 
 
 def kill_tree(pid: int) -> None:
