@@ -166,6 +166,7 @@ def test_pretrain_gpt_paci_fp16_with_per_token_loss(tmp_path):
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # CI runs it (.ci/slow-tests)
 def test_fp16_save_and_resume_equals_an_uninterrupted_run(tmp_path):
     """Each stage's own loss scaler, Adam step count and LR schedule come back from the
     checkpoint (Megatron keeps one of each, global rank 0's, in the common state; under PACI

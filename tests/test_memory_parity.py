@@ -8,7 +8,7 @@ import pytest
 
 from launch import read_metrics, run_torchrun
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # CI runs it (.ci/slow-tests)
 
 # the first stage's 4000 x 128 embedding makes Adam's state and step a visible share
 FLAGS = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",

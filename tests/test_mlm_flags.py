@@ -183,6 +183,7 @@ def test_a_local_step_is_followed_by_a_forward_not_a_backward(kind):
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # test_tied's P2xDP2-bf16-distopt-overlaps resume guards the same flags, tied
 def test_resume_with_the_distributed_optimizer_and_overlaps_is_exact(tmp_path):
     """DP=2, distributed optimizer, both overlaps: train 3 of 6, save (a drain, which completes
     the parameter all-gather), stop, load, train to 6 == train 6 saving at 3."""

@@ -77,6 +77,7 @@ def test_more_pipeline_stages_continue_bit_for_bit(source, resumed):
     assert found["total"] > 40 and found["same"] == found["total"], found
 
 
+@pytest.mark.slow  # CI runs it (.ci/slow-tests)
 def test_tensor_and_data_parallel_layouts_keep_every_tensor(source, resumed):
     moved = _resume(source, "tp2dp2", _layout(1, tp=2), 4, 4)
     assert "from P=2 TP=1 DP=1 to P=1 TP=2 DP=2" in moved["out"]
@@ -89,6 +90,7 @@ def test_tensor_and_data_parallel_layouts_keep_every_tensor(source, resumed):
     assert _loss(on, 5) == pytest.approx(_loss(resumed, 5), rel=1e-5)
 
 
+@pytest.mark.slow  # CI runs it (.ci/slow-tests)
 def test_a_fully_reshardable_distributed_optimizer_checkpoint_moves_to_any_layout(tmp_path):
     """--dist-ckpt-optim-fully-reshardable writes the distributed optimizer's state per
     parameter: PACI at P=2 (untied: the distributed optimizer with tied embeddings needs P=1)

@@ -87,6 +87,7 @@ def test_first_launch_with_load_of_a_missing_dir_starts_from_scratch(uninterrupt
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # CI runs it (.ci/slow-tests)
 def test_killed_rank_restarts_and_ends_like_an_uninterrupted_run(uninterrupted, tmp_path):
     """Rank 2 (stage 2) is SIGKILLed as iteration 5 starts (after the save at 3; the last
     stage has logged iteration 4 by then): torchrun restarts all 4 workers, they resume from

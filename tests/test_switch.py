@@ -31,6 +31,7 @@ def _lrs(*runs):
     return {r["iteration"]: r["lr"] for run in runs for r in run["records"] if "lm_loss" in r}
 
 
+@pytest.mark.slow  # CI runs it (.ci/slow-tests)
 def test_a_paci_checkpoint_continues_under_stock_1f1b(tmp_path):
     """PACI to 5 (saved: drained, stopped), then --pipeline-schedule 1f1b loading it for 6-8:
     the first part is the uninterrupted PACI run's to 5 bit for bit, and the LR goes on from
