@@ -280,6 +280,54 @@ def patch_low_precision_gemm():
     return patch()
 
 
+# the MoE modules that ask torch.cuda for a device, a side stream or an event (and the
+# tensor-parallel mappings the expert-parallel gathers and all-to-alls go through)
+MOE_MODULES = tuple(f"megatron.core.transformer.moe.{name}" for name in (
+    "router", "experts", "shared_experts", "token_dispatcher", "moe_utils", "moe_layer")) \
+    + ("megatron.core.tensor_parallel.mappings",)
+
+
+class _HostSplitsDistributed:
+    """``torch.distributed`` for the MoE modules: gloo's ``all_to_all_single`` takes its split
+    sizes as lists of ints only (the alltoall dispatcher hands it numpy arrays)."""
+
+    def __getattr__(self, name):
+        return getattr(torch.distributed, name)
+
+    @staticmethod
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
+                          group=None, async_op=False):
+        def as_list(sizes):
+            return None if sizes is None else [int(size) for size in sizes]
+
+        return torch.distributed.all_to_all_single(
+            output, input, as_list(output_split_sizes), as_list(input_split_sizes), group=group,
+            async_op=async_op)
+
+
+class _MappingsTorch(CpuTorch):
+    def __init__(self):
+        super().__init__()
+        self.distributed = _HostSplitsDistributed()
+
+
+def patch_moe_cuda():
+    """transformer/moe/*.py: the router's and experts' buffers on torch.cuda.current_device(),
+    the shared experts' and the alltoall dispatcher's side streams and events, the expert-
+    parallel gathers' outputs and the all-to-all's split sizes as lists for gloo
+    (tensor_parallel/mappings.py); moe_utils names te_general_gemm only where Transformer
+    Engine imported (0.16): None here, the torch path."""
+    changed = False
+    for module_name in MOE_MODULES:
+        if importlib.util.find_spec(module_name) is not None:
+            changed |= redirect_torch(module_name, _MappingsTorch)
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+        changed = True
+    return changed
+
+
 # Registry, in application order: name -> function. Each returns True if it changed something.
 CPU_PATCHES: Dict[str, Callable[[], bool]] = {
     "p2p_communication": patch_p2p_communication,
@@ -298,6 +346,7 @@ CPU_PATCHES: Dict[str, Callable[[], bool]] = {
     "fused_cpu_adam": patch_fused_cpu_adam,
     "adam_step_on_load": patch_adam_step_on_load,
     "low_precision_gemm": patch_low_precision_gemm,
+    "moe_cuda": patch_moe_cuda,
 }
 
 _APPLIED: List[str] = []

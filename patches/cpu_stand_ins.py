@@ -5,6 +5,7 @@ that run once. Nothing here patches Megatron by itself."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import types
@@ -36,14 +37,42 @@ def _cpu_factory(fn: Callable) -> Callable:
 class CpuStream:
     """A CUDA stream on CPU: work is already ordered, there is nothing to wait for."""
 
+    def __init__(self, *args, **kwargs):
+        pass
+
     def wait_stream(self, stream):
         return None
 
     def wait_event(self, event):
         return None
 
+    def record_event(self, event=None):
+        return event if event is not None else CpuEvent()
+
     def synchronize(self):
         return None
+
+    def query(self):
+        return True
+
+
+class CpuEvent:
+    """A CUDA event on CPU: recorded work is already done."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        return None
+
+    def wait(self, stream=None):
+        return None
+
+    def synchronize(self):
+        return None
+
+    def query(self):
+        return True
 
 
 class CpuCuda:
@@ -65,6 +94,13 @@ class CpuCuda:
     @staticmethod
     def current_stream(device=None):
         return CpuStream()
+
+    Stream = CpuStream  # the MoE modules' side streams (shared experts, the D2H copies)
+    Event = CpuEvent
+
+    @staticmethod
+    def stream(stream=None):
+        return contextlib.nullcontext()
 
 
 class CpuTorch(types.ModuleType):

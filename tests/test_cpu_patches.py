@@ -132,17 +132,18 @@ def _launch(nproc, cases):
 
 @pytest.fixture(scope="module")
 def one_proc():
-    return _launch(1, ["pp1", "pp1_rope_rmsnorm"])
+    return _launch(1, ["pp1", "pp1_rope_rmsnorm", "moe_pp1"])
 
 
 @pytest.fixture(scope="module")
 def two_procs():
-    return _launch(2, ["pp2", "vpp", "bf16", "pp2_untied_overlap", "dropout"])
+    return _launch(2, ["pp2", "vpp", "bf16", "pp2_untied_overlap", "dropout", "moe_pp2"])
 
 
 @pytest.fixture(scope="module")
 def four_procs():
-    return _launch(4, ["pp4", "tp2pp2", "dp2pp2", "dp2pp2_bf16"])
+    return _launch(4, ["pp4", "tp2pp2", "dp2pp2", "dp2pp2_bf16", "moe_ep2pp2_alltoall",
+                       "moe_ep2pp2_allgather"])
 
 
 def _assert_trains(result, min_drop=0.2):
@@ -307,3 +308,19 @@ def test_low_precision_gemm_runs_in_fp32_only_without_a_native_kernel(native):
     if native == "False":
         assert "\nEXACT True" in out.stdout and "ATTENTION EXACT True" in out.stdout, \
             out.stdout
+
+
+@pytest.mark.dist
+def test_stock_1f1b_trains_moe_on_cpu_at_p2_and_ep2(one_proc, two_procs, four_procs):
+    """Megatron's MoE layers (alternating with dense ones; shared experts; sigmoid router
+    with expert bias; aux loss) under stock 1F1B on CPU/gloo: P=2 is P=1 to float reduction
+    order, and at P=2 x EP=2 (the experts split over the 2 data-parallel ranks of each stage,
+    the distributed optimizer) both dispatchers route the same tokens to the same experts."""
+    pp1, pp2 = one_proc["moe_pp1"], two_procs["moe_pp2"]
+    a2a, gather = four_procs["moe_ep2pp2_alltoall"], four_procs["moe_ep2pp2_allgather"]
+    for run in (pp1, pp2, a2a, gather):
+        _assert_trains(run, min_drop=0.1)
+    assert pp2["losses"][0] == pp1["losses"][0]
+    assert max(abs(a - b) for a, b in zip(pp1["losses"], pp2["losses"])) < 1e-4
+    assert a2a["dp"] == gather["dp"] == 2
+    assert max(abs(a - b) for a, b in zip(a2a["losses"], gather["losses"])) < 1e-5

@@ -81,6 +81,39 @@ class GPTSpec:
     position_embedding_type: str = "learned_absolute"
     transformer_impl: str = "local"
     make_vocab_size_divisible_by: int = 1  # Megatron-LM's flag (its default is 128)
+    moe: Optional["MoESpec"] = None  # --num-experts: MoE layers (None: a dense GPT)
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """Megatron-LM's MoE flags (their names, without --moe-), for the local (torch) layers."""
+
+    num_experts: int
+    router_topk: int = 2
+    ffn_hidden_size: Optional[int] = None  # --moe-ffn-hidden-size (default: --ffn-hidden-size)
+    layer_freq: int = 1  # --moe-layer-freq N: every N-th layer is MoE, the others dense
+    aux_loss_coeff: float = 0.0
+    z_loss_coeff: Optional[float] = None
+    router_load_balancing_type: str = "aux_loss"
+    router_score_function: str = "softmax"
+    router_enable_expert_bias: bool = False
+    shared_expert_intermediate_size: Optional[int] = None
+    token_dispatcher_type: str = "allgather"
+
+    def config_fields(self) -> dict:
+        """The TransformerConfig fields these flags set (local experts: no grouped GEMM)."""
+        return dict(
+            num_moe_experts=self.num_experts, moe_router_topk=self.router_topk,
+            moe_ffn_hidden_size=self.ffn_hidden_size,
+            moe_layer_freq=self.layer_freq, moe_aux_loss_coeff=self.aux_loss_coeff,
+            moe_z_loss_coeff=self.z_loss_coeff,
+            moe_router_load_balancing_type=self.router_load_balancing_type,
+            moe_router_score_function=self.router_score_function,
+            moe_router_enable_expert_bias=self.router_enable_expert_bias,
+            moe_shared_expert_intermediate_size=self.shared_expert_intermediate_size,
+            moe_token_dispatcher_type=self.token_dispatcher_type, moe_grouped_gemm=False,
+            # Megatron's shared experts take no bias; its MoE GPT recipes train without one
+            add_bias_linear=False)
 
 
 def _check_layer_split(spec: GPTSpec, pp: int, vpp: Optional[int]) -> None:
@@ -131,10 +164,12 @@ def make_transformer_config(spec: GPTSpec) -> TransformerConfig:
         batch_p2p_comm=not _is_gloo(),
         # like Megatron-LM's defaults
         deallocate_pipeline_outputs=True,
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        **(spec.moe.config_fields() if spec.moe is not None else {}),
     )
 
 
-def _layer_spec(spec: GPTSpec):
+def _layer_spec(spec: GPTSpec, config: TransformerConfig, vp_stage: Optional[int]):
     """The local (non-TE) spec is the CPU path; Transformer Engine only where importable."""
     if spec.transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import (
@@ -142,6 +177,11 @@ def _layer_spec(spec: GPTSpec):
         )
 
         return get_gpt_layer_with_transformer_engine_spec()
+    if spec.moe is not None:  # dense and MoE layers as --moe-layer-freq places them
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                          normalization=spec.normalization, vp_stage=vp_stage)
     return get_gpt_layer_local_spec(normalization=spec.normalization)
 
 
@@ -169,7 +209,6 @@ def build_gpt_model(
     tp = parallel_state.get_tensor_model_parallel_world_size()
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     vocab = padded_vocab_size(spec.vocab_size, tp, spec.make_vocab_size_divisible_by)
-    layer_spec = _layer_spec(spec)
 
     chunks: List[torch.nn.Module] = []
     for vp_stage in range(vpp or 1):
@@ -178,7 +217,7 @@ def build_gpt_model(
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec,
+            transformer_layer_spec=_layer_spec(spec, config, stage),
             vocab_size=vocab,
             max_sequence_length=spec.max_position_embeddings or spec.seq_length,
             pre_process=pre,

@@ -25,12 +25,14 @@ def init_distributed(
     backend: Optional[str] = None,
     timeout_s: float = 120,
     seed: int = 1234,
+    ep: int = 1,
 ) -> Dict[str, int]:
     """Initialise torch.distributed from the torchrun environment and Megatron's parallel state.
 
     Without CUDA, ``apply_cpu_patches()`` runs before the parallel state is built. Seeds follow
     Megatron-LM (``seed + 100 * pp_rank`` for python/torch and the model-parallel RNG tracker).
-    Returns :func:`stage_info`.
+    ``ep``: --expert-model-parallel-size, the experts of an MoE layer split over that many
+    data-parallel ranks of one stage. Returns :func:`stage_info`.
     """
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -70,6 +72,7 @@ def init_distributed(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
+        expert_model_parallel_size=ep,
         distributed_timeout_minutes=timeout_s / 60.0,  # timedelta(minutes=...) takes floats
     )
     set_random_seed(seed)

@@ -66,10 +66,10 @@ def tied_embedding_diff(model):
     return float(diff)
 
 
-def train(name, *, tp=1, pp=1, vpp=None, iters=10, bf16=False, untie=False, overlap=False,
-          distopt=False, dropout=0.0, recompute=False, **spec_overrides):
+def train(name, *, tp=1, pp=1, vpp=None, ep=1, iters=10, bf16=False, untie=False,
+          overlap=False, distopt=False, dropout=0.0, recompute=False, **spec_overrides):
     """Build and train ``iters`` stock iterations; the result dict on the reporting rank."""
-    build.init_distributed(tp=tp, pp=pp, vpp=vpp, seed=SEED)
+    build.init_distributed(tp=tp, pp=pp, vpp=vpp, ep=ep, seed=SEED)
     kw = dict(SPEC, **spec_overrides)
     if recompute:
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -159,7 +159,22 @@ CASES = {
     "dp2pp2": (4, lambda: train("dp2pp2", pp=2, overlap=True, distopt=True)),
     "dp2pp2_bf16": (4, lambda: train("dp2pp2_bf16", pp=2, overlap=True, distopt=True,
                                      bf16=True)),
+    # MoE (the moe_cuda patch): dense and MoE layers, shared experts, expert bias; P=1, P=2,
+    # and EP=2 inside each of 2 stages with either dispatcher
+    "moe_pp1": (1, lambda: train("moe_pp1", pp=1, untie=True, moe=moe_spec("alltoall"))),
+    "moe_pp2": (2, lambda: train("moe_pp2", pp=2, untie=True, moe=moe_spec("alltoall"))),
+    "moe_ep2pp2_alltoall": (4, lambda: train("moe_ep2pp2_alltoall", pp=2, ep=2, untie=True,
+                                             distopt=True, moe=moe_spec("alltoall"))),
+    "moe_ep2pp2_allgather": (4, lambda: train("moe_ep2pp2_allgather", pp=2, ep=2, untie=True,
+                                              distopt=True, moe=moe_spec("allgather"))),
 }
+
+
+def moe_spec(dispatcher):
+    return build.MoESpec(num_experts=4, router_topk=2, ffn_hidden_size=64, layer_freq=2,
+                         aux_loss_coeff=1e-2, shared_expert_intermediate_size=64,
+                         router_enable_expert_bias=True, router_score_function="sigmoid",
+                         token_dispatcher_type=dispatcher)
 
 
 def main():
