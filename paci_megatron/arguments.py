@@ -66,6 +66,33 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--hidden-dropout", type=probability("--hidden-dropout"), default=0.0)
     g.add_argument("--attention-dropout", type=probability("--attention-dropout"), default=0.0)
+    g = p.add_argument_group("mixture of experts (Megatron-LM's flags)")
+    g.add_argument("--num-experts", type=positive("--num-experts"), default=None,
+                   help="MoE layers with this many experts (default: a dense GPT)")
+    g.add_argument("--moe-router-topk", type=positive("--moe-router-topk"), default=2)
+    g.add_argument("--moe-ffn-hidden-size", type=positive("--moe-ffn-hidden-size"), default=None,
+                   help="each expert's hidden size (default: --ffn-hidden-size)")
+    g.add_argument("--moe-layer-freq", type=positive("--moe-layer-freq"), default=1,
+                   help="every N-th layer is MoE, the others dense")
+    g.add_argument("--moe-aux-loss-coeff", type=non_negative_float("--moe-aux-loss-coeff"),
+                   default=0.0)
+    g.add_argument("--moe-z-loss-coeff", type=non_negative_float("--moe-z-loss-coeff"),
+                   default=None)
+    g.add_argument("--moe-router-load-balancing-type", default="aux_loss",
+                   choices=["aux_loss", "seq_aux_loss", "none"])
+    g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"],
+                   default="softmax")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="aux-loss-free balancing: a per-expert bias moved at every step "
+                        "(needs --moe-router-score-function sigmoid; not under PACI yet)")
+    g.add_argument("--moe-shared-expert-intermediate-size",
+                   type=positive("--moe-shared-expert-intermediate-size"), default=None)
+    g.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall"],
+                   default="allgather")
+    g.add_argument("--expert-model-parallel-size",
+                   type=positive("--expert-model-parallel-size"), default=1,
+                   help="the experts of a layer split over this many data-parallel ranks of "
+                        "a stage")
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=positive("--tensor-model-parallel-size"),
                    default=1)
@@ -239,6 +266,7 @@ def validate(args: argparse.Namespace, world_size: int) -> PaciConfig:
     args.num_microbatches = num_mb
     ramp = rampup_micro_batches(args.rampup_batch_size, args.global_batch_size, per_step)
     _validate_data_parallel_flags(args)
+    _validate_moe(args, dp)
     if args.fp16 and args.bf16:
         raise ConfigError("--fp16 and --bf16 are exclusive; pick one")
     check_loss_scales(args)
@@ -252,6 +280,43 @@ def validate(args: argparse.Namespace, world_size: int) -> PaciConfig:
         micro_batch_size=args.micro_batch_size, data_parallel_size=dp, virtual=vpp is not None,
         ramp=tuple(ramp), tied=pp > 1 and not args.untie_embeddings_and_output_weights,
         fp16=args.fp16))
+
+
+MOE_FLAGS = ("moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size",
+             "moe_ffn_hidden_size", "moe_z_loss_coeff")
+
+
+def _validate_moe(args, dp: int) -> None:
+    """Megatron-LM's MoE rules, and what PACI does not run with MoE yet (issue 50)."""
+    ep = args.expert_model_parallel_size
+    if args.num_experts is None:
+        given = [f"--{name.replace('_', '-')}" for name in MOE_FLAGS if getattr(args, name)]
+        given += ["--expert-model-parallel-size"] if ep > 1 else []
+        if given:
+            raise ConfigError(f"{', '.join(given)} need MoE layers: add --num-experts N")
+        return
+    if dp % ep or args.num_experts % ep:
+        raise ConfigError(f"--expert-model-parallel-size {ep} must divide the data-parallel size "
+                          f"{dp} and --num-experts {args.num_experts}")
+    if args.moe_router_topk > args.num_experts:
+        raise ConfigError(f"--moe-router-topk {args.moe_router_topk} exceeds --num-experts "
+                          f"{args.num_experts}")
+    if args.moe_router_enable_expert_bias and args.moe_router_score_function != "sigmoid":
+        raise ConfigError("--moe-router-enable-expert-bias needs --moe-router-score-function "
+                          "sigmoid (as in Megatron-LM)")
+    if args.pipeline_schedule != "paci" or args.pipeline_model_parallel_size == 1:
+        return
+    if args.moe_router_enable_expert_bias:
+        raise ConfigError("--moe-router-enable-expert-bias is not supported under "
+                          "--pipeline-schedule paci at P > 1 yet: the bias moves at every "
+                          "optimizer step, N/a times an iteration under PACI, and its rate for "
+                          "that is not settled; drop it (or use --pipeline-schedule 1f1b)")
+    if args.fp16:
+        raise ConfigError("--fp16 with --num-experts is not supported under --pipeline-schedule "
+                          "paci at P > 1 yet: Megatron scales the aux loss's gradient by one "
+                          "class-wide value set at each forward, and a stage's fp16 loss scale "
+                          "can change between a micro-batch's forward and its backward; use "
+                          "--bf16")
 
 
 def _validate_data_parallel_flags(args) -> None:

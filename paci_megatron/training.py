@@ -78,7 +78,21 @@ def _gpt_spec(args):
         normalization=args.normalization,
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
-        transformer_impl=args.transformer_impl)
+        transformer_impl=args.transformer_impl, moe=_moe_spec(args))
+
+
+def _moe_spec(args):
+    if args.num_experts is None:
+        return None
+    return build.MoESpec(
+        num_experts=args.num_experts, router_topk=args.moe_router_topk,
+        ffn_hidden_size=args.moe_ffn_hidden_size, layer_freq=args.moe_layer_freq,
+        aux_loss_coeff=args.moe_aux_loss_coeff, z_loss_coeff=args.moe_z_loss_coeff,
+        router_load_balancing_type=args.moe_router_load_balancing_type,
+        router_score_function=args.moe_router_score_function,
+        router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        token_dispatcher_type=args.moe_token_dispatcher_type)
 
 
 def preflight(args, opts: PaciConfig):
@@ -172,7 +186,8 @@ def setup(args, opts: PaciConfig) -> Job:
     info = build.init_distributed(
         tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
         vpp=args.virtual_pipeline_model_parallel_size, backend=args.distributed_backend,
-        timeout_s=args.distributed_timeout_minutes * 60, seed=args.seed)
+        timeout_s=args.distributed_timeout_minutes * 60, seed=args.seed,
+        ep=args.expert_model_parallel_size)
     datasets = _datasets(args, tokenizer)
     spec = _gpt_spec(args)
     model = build.build_gpt_model(

@@ -15,7 +15,7 @@ ACCEPTED = {
     ("--seed", "0"), ("--lr", "0"), ("--min-lr", "0"), ("--weight-decay", "0"),
     ("--hidden-dropout", "0"), ("--attention-dropout", "0"), ("--clip-grad", "0"),
     ("--lr-warmup-iters", "0"), ("--adam-beta1", "0"), ("--adam-beta2", "0"),
-    ("--paci-lookahead", "0"),
+    ("--paci-lookahead", "0"), ("--moe-aux-loss-coeff", "0"), ("--moe-z-loss-coeff", "0"),
     ("--save", "abc"), ("--save", "0"), ("--save", "-1"), ("--save", "1e400"),
     # a missing --load directory starts from scratch (Megatron-LM's --save DIR --load DIR)
     ("--load", "abc"), ("--load", "0"), ("--load", "-1"), ("--load", "1e400"),

@@ -24,11 +24,13 @@ WORKER = "tests/workers/reference_cases.py"
 PP_ONLY = ["p2_a4", "p2_a2", "p2_bf16", "p2_distopt", "p2_drain_eval",
            "p4_a4", "p4_a1", "p4_bf16", "p4_recompute", "p4_eval_nodrain", "p4_drain_eval",
            "p4_auto", "p2_tied", "p2_tied_bf16", "p4_tied", "p4_bf16_predict", "p4_tied_bf16",
-           "p4_tied_bf16_predict", "p4_bf16_predict_overlap", "p4_tied_bf16_lookahead"]
+           "p4_tied_bf16_predict", "p4_bf16_predict_overlap", "p4_tied_bf16_lookahead",
+           "p2_moe", "p4_moe_bf16_predict"]
 # 2 emulator processes, 4 runtime ones
 PARALLEL = ["p2_dp2", "p2_dp2_distopt", "p2_tp2", "p2_dp2_tied", "p2_dp2_tied_bf16_predict",
             "p2_dp2_distopt_bf16", "p2_dp2_distopt_bf16_predict", "p2_tp2_bf16_predict",
-            "p2_dp2_distopt_bf16_lookahead", "p2_dp2_distopt_bf16_nadam"]
+            "p2_dp2_distopt_bf16_lookahead", "p2_dp2_distopt_bf16_nadam", "p2_dp2_ep2_moe",
+            "p2_dp2_ep2_moe_allgather"]
 # a loss scaler per stage; per-token loss
 PRECISION = ["p2_fp16", "p2_per_token", "p2_fp16_predict", "p2_tied_fp16"]
 # tied embeddings with Megatron's realistic flags at DP=2: P=2 (4 runtime processes, launched
@@ -210,7 +212,8 @@ def test_backward_uses_the_current_weights(case, results):
 PREDICTED = {"p4_bf16_predict": "p4_bf16", "p4_tied_bf16_predict": "p4_tied_bf16",
              "p4_bf16_predict_overlap": "p4_bf16",
              "p2_dp2_tied_bf16_predict": None, "p2_fp16_predict": "p2_fp16",
-             "p2_dp2_distopt_bf16_predict": "p2_dp2_distopt_bf16", "p2_tp2_bf16_predict": None}
+             "p2_dp2_distopt_bf16_predict": "p2_dp2_distopt_bf16", "p2_tp2_bf16_predict": None,
+             "p4_moe_bf16_predict": None}
 
 
 @pytest.mark.parametrize("case", sorted(PREDICTED))
@@ -319,3 +322,17 @@ def test_nadam_steps_otherwise_than_adam_once_the_learning_rate_is_above_0(resul
         assert steps[0]["weights"] == twin[0]["weights"]
         assert all(n["weights"] != a["weights"] for n, a in zip(steps[1:], twin[1:]))
         assert row["histogram"] == adam[coord]["histogram"]
+
+
+@pytest.mark.parametrize("case", ["p2_dp2_ep2_moe", "p2_dp2_ep2_moe_allgather"])
+def test_with_experts_split_over_ep_every_rank_of_a_stage_clips_by_one_norm(case, results):
+    """The experts of each MoE layer split over the stage's 2 data-parallel ranks (EP = 2):
+    every rank of a stage steps with one grad norm (the dense part over tensor parallel, the
+    experts' over expert-tensor x expert parallel, as Megatron's expert optimizer does within
+    the stage), and clipping is active. Before the fix each EP rank clipped by its own."""
+    real = results(case, "runtime")
+    cfg = real["pp0tp0dp0"]["config"]
+    for stage in range(cfg["pp"]):
+        norms = [real[f"pp{stage}tp0dp{d}"]["steps"] for d in range(cfg["dp"])]
+        assert [s["grad_norm"] for s in norms[0]] == [s["grad_norm"] for s in norms[1]]
+        assert max(float.fromhex(s["grad_norm"]) for s in norms[0]) > cfg["clip"]

@@ -73,6 +73,12 @@ def unsupported(args) -> str:
     state = flat_state_unsupported(args)
     if state:
         return state
+    if (getattr(args, "expert_model_parallel_size", None) or 1) > 1 \
+            and not getattr(args, "use_distributed_optimizer", False):
+        return ("does not support --expert-model-parallel-size > 1 without "
+                "--use-distributed-optimizer yet: its clipping norm reduces the stage's dense and "
+                "expert gradients over one group, and without the distributed optimizer the "
+                "dense ones repeat on every expert-parallel rank; add --use-distributed-optimizer")
     if getattr(args, "overlap_param_gather", False):
         return ("does not support --overlap-param-gather: the predicted weights must be "
                 "gathered before the forward that uses them, and put back right after it; "

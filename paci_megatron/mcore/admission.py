@@ -53,10 +53,26 @@ def stage_local_groups(pg: ProcessGroupCollection) -> ProcessGroupCollection:
 def stage_grad_stats_group(optimizer) -> Any:
     """Grad-norm / found-inf reductions restricted to this stage: tensor parallel, and for
     the distributed optimizer, whose gradients are sharded over data parallel, tensor x data
-    x context parallel within one distributed-optimizer instance (``instance_group``)."""
+    x context parallel within one distributed-optimizer instance (``instance_group``). An
+    optimizer that holds MoE experts (Megatron's expert sub-optimizer, or a chained one with
+    it) whose experts split over expert parallel: expert-tensor x expert parallel, the
+    stage's part of Megatron's expert tp-ep-pp group, so that every rank of the stage clips
+    by one norm."""
     if getattr(optimizer.config, "use_distributed_optimizer", False):
         return instance_group()
+    if has_split_experts(optimizer):
+        return parallel_state.get_expert_tensor_and_model_parallel_group()
     return parallel_state.get_tensor_model_parallel_group()
+
+
+def has_split_experts(optimizer) -> bool:
+    """MoE experts among the optimizer's parameters (Megatron marks them allreduce=False),
+    split over more than one expert-parallel rank."""
+    if parallel_state.get_expert_model_parallel_world_size() <= 1:
+        return False
+    subs = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return any(not getattr(param, "allreduce", True)
+               for sub in subs for group in sub.optimizer.param_groups for param in group["params"])
 
 
 # --num-distributed-optimizer-instances N > 1: this rank's part of its instance's group, in

@@ -198,8 +198,8 @@ class PaciRuntime:
     def _use_stage_grad_stats(self, stage_local: bool) -> None:
         """PACI reduces grad norm / found-inf within the stage; stock 1F1B (and the sync
         warm-up) over all stages, as Megatron does."""
-        group = admission.stage_grad_stats_group(self.optimizer) if stage_local else None
         for opt, stock in zip(sub_optimizers(self.optimizer), self._stock_grad_groups):
+            group = admission.stage_grad_stats_group(opt) if stage_local else None
             if group is not None:
                 opt.grad_stats_parallel_group = group
             elif stock is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ..features.base import sub_optimizers
 from . import admission
 
 
@@ -26,11 +27,16 @@ def warm_up(rt) -> list:
     communicator, tensor shape and tied exchange exist); returns what it exchanged over."""
     device = _device()
     done = []
-    for name, group in (("data-parallel", rt.pg.dp_cp),
-                        ("grad-stats", admission.stage_grad_stats_group(rt.optimizer))):
+    groups = [("data-parallel", rt.pg.dp_cp)]
+    for sub in sub_optimizers(rt.optimizer):  # MoE: the dense and the expert norm's groups
+        group = admission.stage_grad_stats_group(sub)
+        if all(group is not known for _name, known in groups):
+            groups.append(("grad-stats", group))
+    for name, group in groups:
         if group is not None and group.size() > 1:
             torch.distributed.all_reduce(torch.zeros(1, device=device), group=group)
-            done.append(name)
+            if name not in done:
+                done.append(name)
     if rt.num_stages > 1:
         _pipeline(rt, device)
         done.append("pipeline")

@@ -40,7 +40,9 @@ BASE = dict(tp=1, dp=1, a=4, n=4, calls=5, dropout=0.0, bf16=False, recompute=Fa
             audit=False, factors=None, tied=False,
             fp16=False, per_token=False, predict=False, overlap=False, grad_overlap=False, kind="paci",
             fp16_scales=(19, 20), warmup=8, param_gather=False, lookahead=0.0,
-            optimizer="adam")
+            optimizer="adam", moe=None, ep=1)
+MOE = dict(num_experts=4, router_topk=2, ffn_hidden_size=64, layer_freq=2, aux_loss_coeff=1e-2,
+           shared_expert_intermediate_size=64, token_dispatcher_type="alltoall")
 CASES: Dict[str, Dict] = {
     "p2_a4": dict(pp=2, dropout=0.1),
     "p2_a2": dict(pp=2, a=2, n=8, calls=4),
@@ -131,6 +133,14 @@ CASES: Dict[str, Dict] = {
                                       optimizer="nadam"),
     "p2_dp2_distopt_bf16_predict": dict(pp=2, dp=2, a=2, dist_opt=True, bf16=True, dropout=0.1,
                                         predict=True),
+    # MoE (issue 50): dense and MoE layers, top-2 of 4 experts with the aux loss and a shared
+    # expert; the experts split over EP = 2 data-parallel ranks of a stage, both dispatchers
+    # (clipping is active: with EP > 1 the expert optimizer's norm spans the EP ranks)
+    "p2_moe": dict(pp=2, a=2, dropout=0.1, moe=MOE),
+    "p4_moe_bf16_predict": dict(pp=4, a=2, bf16=True, predict=True, moe=MOE),
+    "p2_dp2_ep2_moe": dict(pp=2, dp=2, ep=2, a=2, moe=MOE),
+    "p2_dp2_ep2_moe_allgather": dict(pp=2, dp=2, ep=2, a=2, dist_opt=True,
+                                     moe=dict(MOE, token_dispatcher_type="allgather")),
 }
 
 
@@ -146,7 +156,8 @@ def spec_of(cfg: Dict) -> build.GPTSpec:
         fp16=cfg["fp16"], calculate_per_token_loss=cfg["per_token"],
         recompute_granularity="full" if cfg["recompute"] else None,
         recompute_method="uniform" if cfg["recompute"] else None,
-        recompute_num_layers=1 if cfg["recompute"] else None)
+        recompute_num_layers=1 if cfg["recompute"] else None,
+        moe=build.MoESpec(**cfg["moe"]) if cfg["moe"] else None)
 
 
 def build_parts(cfg: Dict) -> StageParts:
@@ -223,7 +234,8 @@ def _untied(model, stage, cfg) -> list:
 
 def run_runtime(case: str, out_dir: str) -> None:
     cfg = config(case)
-    info = build.init_distributed(tp=cfg["tp"], pp=cfg["pp"], seed=SEED, timeout_s=120)
+    info = build.init_distributed(tp=cfg["tp"], pp=cfg["pp"], ep=cfg["ep"], seed=SEED,
+                                  timeout_s=120)
     parts = build_parts(cfg)
     adaptive = Adaptive(cfg["pp"], cfg["n"], candidates(cfg["pp"], cfg["n"], None), interval=1,
                         tolerance=0.0, policy="cycle") if cfg["factors"] else None
@@ -311,7 +323,7 @@ def run_runtime(case: str, out_dir: str) -> None:
 
 def run_emulator(case: str, out_dir: str) -> None:
     cfg = config(case)
-    info = build.init_distributed(tp=cfg["tp"], pp=1, seed=SEED, timeout_s=120)
+    info = build.init_distributed(tp=cfg["tp"], pp=1, ep=cfg["ep"], seed=SEED, timeout_s=120)
     # each method's emulated step, as Method.emulated makes it from the method's settings
     prediction = WeightPrediction.emulated(Prediction(cfg["overlap"])) if cfg["predict"] else None
     methods = ([prediction] if prediction else []) \

@@ -1,0 +1,90 @@
+"""MoE GPTs under PACI through pretrain_gpt_paci.py (issue 50, the first part): Megatron-LM's MoE
+flags, their refusals, and a P=2 x EP=2 run against stock 1F1B's. That the runtime steps
+exactly as defined with MoE layers (the aux loss, shared experts, EP inside a stage, both
+dispatchers, the weight prediction) is checked bit for bit against the one-process reference
+in tests/test_reference.py (``*moe*``)."""
+
+import pytest
+
+from launch import train_paci
+from messages import error_line, names_flag
+from paci_megatron.arguments import parse_and_validate
+
+P2_EP2 = ["--pipeline-model-parallel-size", "2", "--num-experts", "4",
+          "--expert-model-parallel-size", "2", "--untie-embeddings-and-output-weights"]
+
+
+def _refused(argv, capsys, world_size=4):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_and_validate(argv, world_size=world_size)
+    assert exit_info.value.code == 2
+    return error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("argv,flag,fix", [
+    (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size", "--num-experts"),
+    (["--moe-router-enable-expert-bias"], "--moe-router-enable-expert-bias", "--num-experts"),
+    (["--num-experts", "3", "--expert-model-parallel-size", "2"], "--expert-model-parallel-size",
+     "divide"),
+    (["--num-experts", "4", "--moe-router-topk", "5"], "--moe-router-topk", "exceeds"),
+    (["--num-experts", "4", "--moe-router-enable-expert-bias"],
+     "--moe-router-enable-expert-bias", "sigmoid"),
+])
+def test_megatron_lms_moe_rules_name_the_flag(argv, flag, fix, capsys):
+    line = _refused(["--pipeline-model-parallel-size", "2", *argv], capsys)
+    assert names_flag(line, flag) and fix in line, line
+
+
+@pytest.mark.parametrize("extra,flag", [
+    (["--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid"],
+     "--moe-router-enable-expert-bias"),
+    (["--fp16"], "--fp16"),
+])
+def test_what_paci_does_not_run_with_moe_yet_is_refused_before_any_process_group(extra, flag,
+                                                                                capsys):
+    line = _refused([*P2_EP2, "--use-distributed-optimizer", *extra], capsys)
+    assert names_flag(line, flag) and "--pipeline-schedule paci" in line, line
+    # stock 1F1B runs them (the baseline), and PACI at P = 1
+    parse_and_validate([*P2_EP2, "--use-distributed-optimizer", *extra, "--pipeline-schedule",
+                        "1f1b"], world_size=4)
+    parse_and_validate(["--pipeline-model-parallel-size", "1", "--num-experts", "4", *extra],
+                       world_size=1)
+
+
+def test_the_prediction_needs_the_distributed_optimizer_with_experts_split_over_ep(capsys):
+    """Without the distributed optimizer the dense gradients repeat on every EP rank, and the
+    prediction's clipping norm reduces dense and expert gradients over one group: the default
+    turns off (the start-up line says why), an explicit request is refused."""
+    _args, cfg = parse_and_validate([*P2_EP2, "--bf16"], world_size=4)
+    assert cfg.method("weight_prediction") is None
+    assert "--use-distributed-optimizer" in cfg.notes[0]
+    line = _refused([*P2_EP2, "--bf16", "--paci-weight-prediction"], capsys)
+    assert names_flag(line, "--paci-weight-prediction") and "--use-distributed-optimizer" in line
+    _args, cfg = parse_and_validate([*P2_EP2, "--bf16", "--use-distributed-optimizer"],
+                                    world_size=4)
+    assert cfg.method("weight_prediction") is not None
+
+
+@pytest.mark.dist
+def test_a_moe_gpt_trains_under_paci_at_p2_by_ep2_beside_stock_1f1b(tmp_path):
+    """8 layers alternating dense and MoE (4 experts top-2, the aux loss, a shared expert,
+    the alltoall dispatcher), the experts split over the 2 data-parallel ranks of each of 2
+    stages, bf16 with the distributed optimizer and the default weight prediction: PACI trains
+    with drift at its bound, its stages' start-up exchange covers the expert norm's group, and
+    stock 1F1B runs the same config as the baseline (the same first loss: nothing stepped)."""
+    flags = [*P2_EP2, "--num-layers", "8", "--moe-layer-freq", "2", "--moe-aux-loss-coeff",
+             "0.01", "--moe-shared-expert-intermediate-size", "64",
+             "--moe-token-dispatcher-type", "alltoall", "--bf16", "--use-distributed-optimizer",
+             "--train-iters", "6", "--lr-warmup-iters", "1"]
+    paci = train_paci(flags, tmp_path / "paci.jsonl", nproc=4, timeout=300)
+    stock = train_paci(flags + ["--pipeline-schedule", "1f1b"], tmp_path / "stock.jsonl",
+                       nproc=4, timeout=300)
+    losses = {name: [r["lm_loss"] for r in run["records"] if "lm_loss" in r]
+              for name, run in (("paci", paci), ("1f1b", stock))}
+    assert len(losses["paci"]) == len(losses["1f1b"]) == 6
+    assert losses["paci"][0] == losses["1f1b"][0]
+    assert losses["paci"][-1] < losses["paci"][0] - 0.2
+    drift = paci["summary"]["drift"]
+    assert [row["max"] for row in drift] == [row["bound"] for row in drift] == [1, 0]
+    assert drift[0]["predicted_forwards"] and drift[0]["prediction_kernel"] in ("fused", "plain")
+    assert all("grad-stats" in row["startup_exchange"] for row in drift)
