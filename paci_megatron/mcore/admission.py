@@ -70,9 +70,14 @@ def has_split_experts(optimizer) -> bool:
     split over more than one expert-parallel rank."""
     if parallel_state.get_expert_model_parallel_world_size() <= 1:
         return False
-    subs = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    return any(not getattr(param, "allreduce", True)
-               for sub in subs for group in sub.optimizer.param_groups for param in group["params"])
+    # asked at every step and predicted forward: the parameters are walked once per optimizer
+    known = getattr(optimizer, "_paci_split_experts", None)
+    if known is None:
+        subs = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+        known = any(not getattr(param, "allreduce", True) for sub in subs
+                    for group in sub.optimizer.param_groups for param in group["params"])
+        optimizer._paci_split_experts = known
+    return known
 
 
 # --num-distributed-optimizer-instances N > 1: this rank's part of its instance's group, in
