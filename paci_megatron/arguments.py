@@ -83,8 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"],
                    default="softmax")
     g.add_argument("--moe-router-enable-expert-bias", action="store_true",
-                   help="aux-loss-free balancing: a per-expert bias moved at every step "
-                        "(needs --moe-router-score-function sigmoid; not under PACI yet)")
+                   help="aux-loss-free balancing: a per-expert bias moved at every optimizer "
+                        "step (needs --moe-router-score-function sigmoid); under PACI at every "
+                        "local step by the rate x a / N (as far per sample as 1F1B)")
+    g.add_argument("--moe-router-bias-update-rate",
+                   type=non_negative_float("--moe-router-bias-update-rate"), default=1e-3,
+                   help="the expert bias's move per iteration (Megatron-LM's default 1e-3)")
     g.add_argument("--moe-shared-expert-intermediate-size",
                    type=positive("--moe-shared-expert-intermediate-size"), default=None)
     g.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall"],
@@ -287,7 +291,7 @@ MOE_FLAGS = ("moe_router_enable_expert_bias", "moe_shared_expert_intermediate_si
 
 
 def _validate_moe(args, dp: int) -> None:
-    """Megatron-LM's MoE rules, and what PACI does not run with MoE yet (issue 50)."""
+    """Megatron-LM's MoE rules."""
     ep = args.expert_model_parallel_size
     if args.num_experts is None:
         given = [f"--{name.replace('_', '-')}" for name in MOE_FLAGS if getattr(args, name)]
@@ -304,19 +308,6 @@ def _validate_moe(args, dp: int) -> None:
     if args.moe_router_enable_expert_bias and args.moe_router_score_function != "sigmoid":
         raise ConfigError("--moe-router-enable-expert-bias needs --moe-router-score-function "
                           "sigmoid (as in Megatron-LM)")
-    if args.pipeline_schedule != "paci" or args.pipeline_model_parallel_size == 1:
-        return
-    if args.moe_router_enable_expert_bias:
-        raise ConfigError("--moe-router-enable-expert-bias is not supported under "
-                          "--pipeline-schedule paci at P > 1 yet: the bias moves at every "
-                          "optimizer step, N/a times an iteration under PACI, and its rate for "
-                          "that is not settled; drop it (or use --pipeline-schedule 1f1b)")
-    if args.fp16:
-        raise ConfigError("--fp16 with --num-experts is not supported under --pipeline-schedule "
-                          "paci at P > 1 yet: Megatron scales the aux loss's gradient by one "
-                          "class-wide value set at each forward, and a stage's fp16 loss scale "
-                          "can change between a micro-batch's forward and its backward; use "
-                          "--bf16")
 
 
 def _validate_data_parallel_flags(args) -> None:

@@ -192,10 +192,41 @@ def refuse_stage_crossing_collectives(args: argparse.Namespace) -> None:
         raise ValueError("--pipeline-schedule paci does not support --step-batch-size-schedule "
                          "yet: the accumulation factor is checked against every number of "
                          "micro-batches before training; drop it")
-    if pp > 1 and getattr(args, "num_experts", None) is not None:
-        raise ValueError("--pipeline-schedule paci does not support MoE (--num-experts) with "
-                         "pipeline parallelism yet: Megatron-LM's training_log all-reduces "
-                         "the MoE auxiliary losses over the pipeline group at every iteration")
+    refuse_moe_options(args)
+
+
+def refuse_moe_options(args: argparse.Namespace) -> None:
+    """MoE options that cannot stay within a stage under PACI (Megatron-LM 0.19's names;
+    earlier releases lack them and pass)."""
+    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    if getattr(args, "num_experts", None) is None or pp == 1:
+        return
+    if getattr(args, "flextron", False):
+        raise ConfigError("--pipeline-schedule paci does not support --flextron: its router's "
+                          "gradients are all-reduced over the pipeline group at every optimizer "
+                          "step (finalize_model_grads), which would hold every stage to the "
+                          "slowest; drop --flextron or use --pipeline-schedule 1f1b")
+    if getattr(args, "moe_expert_rank_capacity_factor", None) is not None:
+        raise ConfigError("--pipeline-schedule paci does not support "
+                          "--moe-expert-rank-capacity-factor: Megatron-LM then wraps the "
+                          "forward-backward function in PagedStashRunner, which all-reduces an "
+                          "overflow flag over all ranks (every stage) at every iteration and "
+                          "re-runs the iteration on overflow; drop the flag or use "
+                          "--pipeline-schedule 1f1b")
+    if getattr(args, "overlap_moe_expert_parallel_comm", False):
+        raise ConfigError("--pipeline-schedule paci does not support "
+                          "--overlap-moe-expert-parallel-comm: it overlaps one micro-batch's "
+                          "expert-parallel all-to-all with another's compute inside Megatron's "
+                          "combined 1F1B schedule for virtual pipeline stages, which PACI "
+                          "replaces; drop the flag (or use --pipeline-schedule interleaved)")
+    # Megatron-LM sets the expert tensor-parallel size to --tensor-model-parallel-size unless given
+    expert_tp = (getattr(args, "expert_tensor_parallel_size", None)
+                 or getattr(args, "tensor_model_parallel_size", 1) or 1)
+    if expert_tp > 1 and getattr(args, "distributed_backend", "nccl") == "gloo":
+        raise ConfigError("--expert-tensor-parallel-size > 1 does not run on gloo: the token "
+                          "dispatcher all-gathers tensors of uneven sizes over the expert "
+                          "tensor-parallel group, which gloo does not support; use "
+                          "--expert-tensor-parallel-size 1 or --distributed-backend nccl")
 
 
 def make_runtime(margs, num_microbatches: int, optimizer, scheduler):
@@ -240,12 +271,22 @@ def local_steps_before(margs, cfg: PaciConfig, iteration: int) -> int:
     return cfg.local_steps_before(iteration, ramp.per_iteration(iteration))
 
 
-def report(runtime) -> None:
-    """Every rank: gather the drift statistics over the pipeline; the last stage prints them."""
+def make_moe_metrics(model, runtime):
+    """The stage's MoE metrics, reported within the stage (``mcore.moe_metrics``)."""
+    from .mcore.moe_metrics import StageMoeMetrics
+
+    return StageMoeMetrics(model, lambda: runtime.forwards_in_call)
+
+
+def report(runtime, moe=None) -> None:
+    """Every rank: gather the drift statistics (and MoE metrics) over the pipeline; the last
+    stage prints them."""
     from .mcore.build import stage_info
+    from .mcore.moe_metrics import summary_line
     from .mcore.runtime import gather_across_pipeline
 
     rows = gather_across_pipeline(runtime.drift_summary())
+    moe_rows = gather_across_pipeline(moe.summary()) if moe is not None else []
     tied = gather_across_pipeline(runtime.tied_digest())
     info = stage_info()
     if info["is_last"] and info["tp_rank"] == 0 and info["dp_rank"] == 0:
@@ -264,6 +305,10 @@ def report(runtime) -> None:
                   f"the drain (sha256 {tied[0][:12]}, {tied[-1][:12]})", flush=True)
         for line in method_cost_lines(rows, prefix="> PACI stage"):
             print(line, flush=True)
+        for stage, row in enumerate(moe_rows):
+            line = summary_line(stage, row)
+            if line:
+                print(line, flush=True)
 
 
 def _log_last_stage(runtime_holder):
@@ -290,7 +335,8 @@ def install(argv: Sequence[str], script: str) -> dict:
         installed["hooks"] += megatron_lm.install_inner_optimizer(use_nadam)
     if ours.pipeline_schedule == "paci":
         hooks = megatron_lm.PaciTrainingHooks(make_runtime, report=report,
-                                              drain_before_eval=ours.paci_drain_before_eval)
+                                              drain_before_eval=ours.paci_drain_before_eval,
+                                              make_moe_metrics=make_moe_metrics)
         hooks.log = _log_last_stage(hooks)
         installed["hooks"] += hooks.install()
     return installed

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .mcore import build, checkpoint
+from .mcore import build, checkpoint, moe_metrics
 from .mcore import runtime as mcore_runtime
 from .mcore.tied import tied_sha256
 from .job_log import (final_record, log, log_final_drift, log_iteration, log_start, mean_loss,
@@ -63,6 +63,7 @@ class Job:
     ramp: Any = None  # --rampup-batch-size: build.BatchRamp
     train_iters: int = 0  # what the log below this layer reads, taken from the flags here
     optimizer_line: str = ""
+    moe: Any = None  # --num-experts: moe_metrics.StageMoeMetrics, this stage's MoE metrics
 
 
 def _gpt_spec(args):
@@ -91,6 +92,7 @@ def _moe_spec(args):
         router_load_balancing_type=args.moe_router_load_balancing_type,
         router_score_function=args.moe_router_score_function,
         router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        router_bias_update_rate=args.moe_router_bias_update_rate,
         shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         token_dispatcher_type=args.moe_token_dispatcher_type)
 
@@ -230,6 +232,9 @@ def setup(args, opts: PaciConfig) -> Job:
             f"--max-restarts {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}): resumed from "
             f"iteration {job.iteration}")
     job.train_data = _batches(job, datasets[0], job.consumed)
+    if spec.moe is not None:
+        job.moe = moe_metrics.StageMoeMetrics(
+            model, None if runtime is None else lambda: runtime.forwards_in_call)
     job.forward_step = build.gpt_forward_step
     if args.measure_activation_memory:
         job.meter = SavedTensorMeter(p for chunk in model for p in chunk.parameters())
@@ -318,7 +323,20 @@ def train_step(job: Job) -> Dict:
         grad_norm = job.runtime.steps[-1].grad_norm if job.runtime.steps else None
     job.iteration += 1
     job.consumed += samples
-    return {"loss": mean_loss(losses), "grad_norm": grad_norm, "samples": samples}
+    moe = _moe_metrics(job, num_mb)
+    return {"loss": mean_loss(losses), "grad_norm": grad_norm, "samples": samples, "moe": moe}
+
+
+def _moe_metrics(job: Job, num_mb: int) -> Dict:
+    """This stage's MoE metrics of the iteration (Megatron's tracker, reduced within the stage
+    and divided by the stage's own MoE layers; ``moe_metrics``)."""
+    if job.moe is None:
+        return {}
+    moe = job.spec.moe
+    return job.moe.take(1.0 / num_mb, job.iteration,
+                        moe_metrics.track_names(moe.router_load_balancing_type,
+                                                moe.z_loss_coeff),
+                        job.spec.num_layers)
 
 
 def evaluate(job: Job) -> Optional[float]:
@@ -439,6 +457,12 @@ def finish(job: Job) -> Dict:
         summary["drift"] = drift
         if job.reporter:
             log_final_drift(dropped, drift)
+    if job.moe is not None:  # after the drain: a gather over the pipeline waits for no forward
+        summary["moe"] = mcore_runtime.gather_across_pipeline(job.moe.summary())
+        for stage, row in enumerate(summary["moe"]):
+            line = moe_metrics.summary_line(stage, row)
+            if job.reporter and line:
+                log(line)
     if job.last_eval is None or job.last_eval[0] != job.iteration:
         evaluate(job)
     validation = job.last_eval[1]

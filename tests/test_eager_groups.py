@@ -51,7 +51,7 @@ def test_the_tied_stages_embedding_group_makes_no_communicator(monkeypatch):
 
     monkeypatch.setattr(torch.distributed, "new_group", no_group)
     pg = ProcessGroupCollection()
-    for name in ("tp", "pp", "cp", "pos_embd", "dp_cp", "embd"):
+    for name in ("tp", "pp", "cp", "pos_embd", "dp_cp", "tp_dp_cp", "embd"):
         setattr(pg, name, object())
     out = admission.stage_local_groups(pg)
     assert out.embd.size() == 1 and out.tp is pg.tp and out.dp_cp is pg.dp_cp

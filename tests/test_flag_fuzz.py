@@ -16,6 +16,7 @@ ACCEPTED = {
     ("--hidden-dropout", "0"), ("--attention-dropout", "0"), ("--clip-grad", "0"),
     ("--lr-warmup-iters", "0"), ("--adam-beta1", "0"), ("--adam-beta2", "0"),
     ("--paci-lookahead", "0"), ("--moe-aux-loss-coeff", "0"), ("--moe-z-loss-coeff", "0"),
+    ("--moe-router-bias-update-rate", "0"),  # a bias that stays put
     ("--save", "abc"), ("--save", "0"), ("--save", "-1"), ("--save", "1e400"),
     # a missing --load directory starts from scratch (Megatron-LM's --save DIR --load DIR)
     ("--load", "abc"), ("--load", "0"), ("--load", "-1"), ("--load", "1e400"),

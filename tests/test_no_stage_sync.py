@@ -27,12 +27,60 @@ def counted_run(tmp_path_factory):
     return parse_results(out), out, read_metrics(metrics)
 
 
-@pytest.mark.dist
-def test_no_pipeline_collective_between_first_and_last_iteration(counted_run):
-    results, _, _ = counted_run
-    assert sorted(r["rank"] for r in results) == list(range(P))
+# dense and MoE layers, the experts over EP = 2 with the alltoall dispatcher, the aux loss,
+# the z-loss and the expert bias (their metrics reported every iteration)
+MOE = ["--pipeline-model-parallel-size", str(P), "--num-layers", "4", "--moe-layer-freq", "2",
+       "--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-aux-loss-coeff", "0.01",
+       "--moe-z-loss-coeff", "0.001", "--moe-router-score-function", "sigmoid",
+       "--moe-router-enable-expert-bias", "--moe-shared-expert-intermediate-size", "64",
+       "--moe-token-dispatcher-type", "alltoall", "--bf16", "--use-distributed-optimizer",
+       "--paci-accumulation-factor", "2"]
+
+
+@pytest.fixture(scope="module")
+def counted_moe_run(tmp_path_factory):
+    _, out, _ = run_torchrun("tests/workers/count_collectives.py", FLAGS[2:] + MOE, nproc=2 * P,
+                             timeout=300)
+    return parse_results(out), out
+
+
+def _no_collective_spans_stages(results, world):
+    assert sorted(r["rank"] for r in results) == list(range(world))
     for r in results:
         assert r["count"] == 0, r["calls"]
+
+
+@pytest.mark.dist
+def test_no_pipeline_collective_between_first_and_last_iteration(counted_run):
+    _no_collective_spans_stages(counted_run[0], P)
+
+
+@pytest.mark.dist
+def test_no_pipeline_collective_with_moe_layers_split_over_ep(counted_moe_run):
+    """Every collective of the steady state, the experts' all-to-alls, their gradients',
+    norms' and metrics' reductions among them, stays within a stage."""
+    results, out = counted_moe_run
+    _no_collective_spans_stages(results, 2 * P)
+    assert "> PACI stage 1 MoE (1 MoE layers" in out
+
+
+@pytest.mark.dist
+def test_no_pipeline_collective_through_the_drop_in_with_moe(checkout):
+    """Megatron-LM's own pretrain_gpt.py, dense and MoE layers with the expert bias, every
+    iteration's training log (its MoE metrics among it) after the first: no collective spans
+    two stages. Megatron-LM's timer barriers all ranks at each --log-interval (documented in
+    docs/megatron-lm.md), so the interval is beyond the run."""
+    from test_megatron_lm import CPU_FLAGS, MODEL_FLAGS, MOE_FLAGS
+
+    at = MODEL_FLAGS.index("--num-layers")
+    flags = [*CPU_FLAGS, *MODEL_FLAGS[:at], *MODEL_FLAGS[at + 2:], *MOE_FLAGS,
+             "--pipeline-schedule", "paci", "--paci-accumulation-factor", "2",
+             "--train-iters", "6", "--log-interval", "100", "--eval-interval", "100"]
+    env = {"PYTHONPATH": checkout.pythonpath, "OMP_NUM_THREADS": "1"}
+    _, out, _ = run_torchrun("tests/workers/count_collectives.py",
+                             ["--drop-in", checkout.script, *flags], nproc=P, timeout=300,
+                             env=env)
+    _no_collective_spans_stages(parse_results(out), P)
 
 
 @pytest.mark.dist
@@ -54,14 +102,14 @@ def test_log_shows_own_stage_and_the_table_comes_at_the_end(counted_run):
     (dict(exit_duration_in_mins=30), "--exit-duration-in-mins"),
     (dict(exit_signal_handler=True), "--exit-signal-handler"),
     (dict(mtp_num_layers=1), "--mtp-num-layers"),
-    (dict(num_experts=8), "--num-experts"),
+    (dict(num_experts=8, flextron=True), "--flextron"),
     (dict(log_params_norm=True), "--log-params-norm"),
 ])
 def test_megatron_lm_flags_with_stage_crossing_collectives_are_refused(overrides, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         paci_run.validate_flags(megatron_lm_args(**overrides))
     paci_run.validate_flags(megatron_lm_args(pipeline_schedule="1f1b", **overrides))  # stock
-    if {"mtp_num_layers", "num_experts", "log_params_norm"} & set(overrides):  # one stage
+    if {"mtp_num_layers", "flextron", "log_params_norm"} & set(overrides):  # one stage
         paci_run.validate_flags(megatron_lm_args(pipeline_model_parallel_size=1, **overrides))
 
 

@@ -25,14 +25,14 @@ PP_ONLY = ["p2_a4", "p2_a2", "p2_bf16", "p2_distopt", "p2_drain_eval",
            "p4_a4", "p4_a1", "p4_bf16", "p4_recompute", "p4_eval_nodrain", "p4_drain_eval",
            "p4_auto", "p2_tied", "p2_tied_bf16", "p4_tied", "p4_bf16_predict", "p4_tied_bf16",
            "p4_tied_bf16_predict", "p4_bf16_predict_overlap", "p4_tied_bf16_lookahead",
-           "p2_moe", "p4_moe_bf16_predict"]
+           "p2_moe", "p4_moe_bf16_predict", "p4_moe_bias"]
 # 2 emulator processes, 4 runtime ones
 PARALLEL = ["p2_dp2", "p2_dp2_distopt", "p2_tp2", "p2_dp2_tied", "p2_dp2_tied_bf16_predict",
             "p2_dp2_distopt_bf16", "p2_dp2_distopt_bf16_predict", "p2_tp2_bf16_predict",
             "p2_dp2_distopt_bf16_lookahead", "p2_dp2_distopt_bf16_nadam", "p2_dp2_ep2_moe",
-            "p2_dp2_ep2_moe_allgather"]
+            "p2_dp2_ep2_moe_allgather", "p2_dp2_ep2_moe_bias_distopt"]
 # a loss scaler per stage; per-token loss
-PRECISION = ["p2_fp16", "p2_per_token", "p2_fp16_predict", "p2_tied_fp16"]
+PRECISION = ["p2_fp16", "p2_per_token", "p2_fp16_predict", "p2_tied_fp16", "p2_fp16_moe"]
 # tied embeddings with Megatron's realistic flags at DP=2: P=2 (4 runtime processes, launched
 # apart) and P=4 (8 runtime processes, about a minute on 2 cores); 2 emulator processes
 TIED_DP2 = ["p2_dp2_tied_distopt", "p2_dp2_tied_overlap", "p2_dp2_tied_distopt_bf16_overlap",
@@ -155,7 +155,8 @@ def test_the_cases_exercise_drift_drain_and_distinct_weights(results):
     assert results("p2_drain_eval", "runtime")["pp0tp0dp0"]["histogram"] == {"0": 15, "1": 9}
 
 
-@pytest.mark.parametrize("case", ["p2_fp16", "p2_tied_fp16", "p4_dp2_tied_fp16_distopt_overlap"])
+@pytest.mark.parametrize("case", ["p2_fp16", "p2_tied_fp16", "p4_dp2_tied_fp16_distopt_overlap",
+                                  "p2_fp16_moe"])
 def test_fp16_case_has_stages_skipping_on_their_own(case, results):
     """The fp16 cases compare something: stage 0 and the last stage skip overflowing steps,
     at different steps (so their scales differ and received gradients are rescaled; tied: the
@@ -336,3 +337,21 @@ def test_with_experts_split_over_ep_every_rank_of_a_stage_clips_by_one_norm(case
         norms = [real[f"pp{stage}tp0dp{d}"]["steps"] for d in range(cfg["dp"])]
         assert [s["grad_norm"] for s in norms[0]] == [s["grad_norm"] for s in norms[1]]
         assert max(float.fromhex(s["grad_norm"]) for s in norms[0]) > cfg["clip"]
+
+
+@pytest.mark.parametrize("case", ["p4_moe_bias", "p2_dp2_ep2_moe_bias_distopt"])
+def test_the_expert_bias_moves_by_the_rate_times_a_over_n_at_each_local_step(case, results):
+    """Aux-loss-free balancing under PACI: each local step moves every expert's bias by
+    exactly rate x a / N, up or down (``mcore/expert_bias.py``), so after S steps each bias
+    is k x rate x a / N with |k| <= S, and the biases moved (the runtime's buffers, by hand;
+    that they equal the emulator's after every step is the bit-for-bit test's)."""
+    rows = {coord: row for coord, row in results(case, "runtime").items() if row["expert_bias"]}
+    assert len(rows) >= 2  # the stages with MoE layers (--moe-layer-freq 2)
+    for coord, row in rows.items():
+        cfg = row["config"]
+        per_step = cfg["moe"]["router_bias_update_rate"] * cfg["a"] / cfg["n"]
+        steps = len(row["steps"])
+        ks = [bias / per_step for layer in row["expert_bias"] for bias in layer]
+        assert ks and all(abs(k - round(k)) < 0.05 and abs(round(k)) <= steps for k in ks), \
+            (coord, ks)
+        assert max(abs(k) for k in ks) >= 2, (coord, ks)  # moved, and more than once

@@ -25,6 +25,8 @@ def pipeline_groups() -> ProcessGroupCollection:
     pg.embd = parallel_state.get_embedding_group(check_initialized=False)
     pg.pos_embd = parallel_state.get_position_embedding_group(check_initialized=False)
     pg.dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    # the expert bias's token counts (megatron-core 0.19 asserts it with the expert bias on)
+    pg.tp_dp_cp = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
     return pg
 
 
@@ -44,7 +46,7 @@ def stage_local_groups(pg: ProcessGroupCollection) -> ProcessGroupCollection:
     embedding all-reduce between the first and last stage (an embd of None would make it
     look the global one up again); the SG/RG and SW/RW actions replace that all-reduce."""
     out = ProcessGroupCollection()
-    for name in ("tp", "pp", "cp", "pos_embd", "dp_cp"):
+    for name in ("tp", "pp", "cp", "pos_embd", "dp_cp", "tp_dp_cp"):
         setattr(out, name, getattr(pg, name))
     out.embd = ThisRankOnly()
     return out

@@ -97,6 +97,7 @@ class MoESpec:
     router_load_balancing_type: str = "aux_loss"
     router_score_function: str = "softmax"
     router_enable_expert_bias: bool = False
+    router_bias_update_rate: float = 1e-3  # per iteration (PACI: x a / N per local step)
     shared_expert_intermediate_size: Optional[int] = None
     token_dispatcher_type: str = "allgather"
 
@@ -110,6 +111,7 @@ class MoESpec:
             moe_router_load_balancing_type=self.router_load_balancing_type,
             moe_router_score_function=self.router_score_function,
             moe_router_enable_expert_bias=self.router_enable_expert_bias,
+            moe_router_bias_update_rate=self.router_bias_update_rate,
             moe_shared_expert_intermediate_size=self.shared_expert_intermediate_size,
             moe_token_dispatcher_type=self.token_dispatcher_type, moe_grouped_gemm=False,
             # Megatron's shared experts take no bias; its MoE GPT recipes train without one

@@ -302,13 +302,22 @@ def scheduler_state(common: Dict) -> Optional[Dict]:
 
 
 def weights_sha256(model: List[torch.nn.Module]) -> str:
-    """SHA-256 over this rank's parameters as float32 bytes, chunk by chunk in sorted name
-    order: equal digests mean bit-identical weights."""
+    """SHA-256 over this rank's parameters, then its persistent buffers (an MoE router's
+    expert bias), as float32 bytes, chunk by chunk in sorted name order: equal digests mean
+    bit-identical weights and state."""
     digest = hashlib.sha256()
     for chunk in model:
-        for _, param in sorted(chunk.named_parameters(), key=lambda item: item[0]):
-            digest.update(param.detach().float().contiguous().cpu().numpy().tobytes())
+        for _, tensor in [*sorted(chunk.named_parameters(), key=lambda item: item[0]),
+                          *sorted(persistent_buffers(chunk), key=lambda item: item[0])]:
+            digest.update(tensor.detach().float().contiguous().cpu().numpy().tobytes())
     return digest.hexdigest()
+
+
+def persistent_buffers(module: torch.nn.Module) -> List:
+    """(name, tensor) of the buffers a state dict saves (a dense GPT has none)."""
+    return [(f"{prefix}.{name}" if prefix else name, buf)
+            for prefix, sub in module.named_modules() for name, buf in sub._buffers.items()
+            if buf is not None and name not in sub._non_persistent_buffers_set]
 
 
 def _give_distributed_optimizer_a_state(optimizer) -> None:

@@ -10,7 +10,7 @@ from megatron.core.pipeline_parallel import schedules as mcore_schedules
 
 from ..executor import ReplayIterator
 from ..schedule import Action, Op, exchanges
-from . import compat, local_step
+from . import aux_losses, compat, local_step
 
 
 class PeerFailure(RuntimeError):
@@ -59,6 +59,8 @@ class MegatronHandlers:
         if rt.meta is not None:
             rt.meta.before_backward(state, mb, rt.loss_scale(), is_first=rt.is_first,
                                     is_last=rt.is_last)
+        if rt.aux_losses:  # their scale for this micro-batch, not the latest forward's
+            aux_losses.set_for_backward(rt.model_config, rt.plan.accumulation, rt.pg.cp.size())
         with rt.grad_sync(enabled=rt.plan_closes_group(mb)):
             grad = compat.backward_step(
                 state.inputs.pop(mb, None), state.outputs.pop(mb), state.output_grads.pop(mb, None),

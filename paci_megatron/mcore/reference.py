@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.pipeline_parallel import schedules as mcore_schedules
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.utils import get_model_config, get_model_type
 
 from ..autograd_versions import keep_version_counters
@@ -245,12 +246,44 @@ class PipelineEmulator:
         stage.group_tokens += tokens
         if stage.index > 0:
             stage.meta_out[mb] = (scale, tokens)
+        self._scale_aux_losses(model, scale)
         with sync:
             grad = compat.backward_step(
                 stage.inputs.pop(mb, None), stage.outputs.pop(mb), stage.output_grads.pop(mb, None),
                 get_model_type(model), get_model_config(model))
         if stage.index > 0:
             stage.input_grads[mb] = grad
+
+    def _scale_aux_losses(self, model, scale: float) -> None:
+        """The MoE auxiliary losses' gradient scale for this backward (one value for the whole
+        process, so for all stages here): this stage's loss scale over the accumulation
+        factor its main loss was divided by, as 1F1B's forward sets it just before."""
+        config = get_model_config(model)
+        if getattr(config, "num_moe_experts", None) is None:
+            return
+        value = torch.tensor([scale], dtype=torch.float32)
+        if not config.calculate_per_token_loss:
+            value = value / self.accumulation
+        MoEAuxLossAutoScaler.set_loss_scale(value)
+
+    def _move_expert_bias(self, model) -> None:
+        """Aux-loss-free balancing at the local step: each router's bias moves by the flag's
+        rate x a / N, up for each expert that got fewer of the group's tokens than the mean
+        (counts summed over tensor and data parallel ranks) and down for each that got more;
+        then the counts start again (``expert_bias``: per sample, as far as stock moves it)."""
+        config = get_model_config(model)
+        if not getattr(config, "moe_router_enable_expert_bias", False):
+            return
+        rate = config.moe_router_bias_update_rate * self.accumulation / self.plan.per_call
+        group = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+        for module in model.modules():
+            if getattr(module, "expert_bias", None) is None:
+                continue
+            tokens = module.local_tokens_per_expert.clone()
+            torch.distributed.all_reduce(tokens, group=group)
+            below = tokens.sum() / tokens.numel() - tokens  # > 0: fewer tokens than the mean
+            module.expert_bias.add_(torch.sign(below) * rate)
+            module.local_tokens_per_expert.zero_()
 
     def _send_b(self, stage: _Stage, mb: int) -> None:
         grad = stage.input_grads.pop(mb)
@@ -292,6 +325,7 @@ class PipelineEmulator:
                          float(stage.parts.optimizer.get_loss_scale()))
         if tied is not None and stage.index == 0:
             self._add_tied_half(stage)
+        self._move_expert_bias(model)
         if get_model_config(model).calculate_per_token_loss:  # this stage's group's tokens
             count = torch.tensor(stage.group_tokens, dtype=torch.int)
             if parallel_state.get_data_parallel_world_size() > 1:

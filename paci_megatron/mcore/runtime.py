@@ -29,7 +29,7 @@ from ..features.base import StageContext, StageFeature, sub_optimizers
 from ..plan_policy import PlanPolicy
 from ..schedule import Op, StreamPlan, check_max_drift, check_per_call
 from ..shape import closes_group, drift_bound, tied_lag
-from . import admission, main_params, param_gather, warmup
+from . import admission, aux_losses, expert_bias, main_params, param_gather, warmup
 from .grad_meta import GradMeta, grad_meta_for
 from .handlers import MegatronHandlers
 from .local_step import StepRecord
@@ -94,6 +94,9 @@ class PaciRuntime:
         self.plan: Optional[StreamPlan] = None
         self.call_index = 0  # calls of this stream
         self.calls_done = 0  # training calls since the start of the run (drains keep it)
+        self.forwards_in_call = 0  # this stage's forwards in the last training call
+        self.aux_losses = False  # MoE or MTP losses: their scales set before each backward
+        self.bias_pace: Optional[expert_bias.BiasPace] = None  # the expert bias's rate per step
         self.state = StageState()
         self.data: Optional[ReplayIterator] = None
         self.steps: List[StepRecord] = []
@@ -275,6 +278,9 @@ class PaciRuntime:
         if self.kind == "paci":
             admission.check_paci_model(model, self.pg)
         self.model, self.model_config, self.model_type = model, config, get_model_type(model)
+        self.aux_losses = aux_losses.has_aux_losses(config)
+        if self.bias_pace is None:  # the flag's rate, before any plan changed it
+            self.bias_pace = expert_bias.BiasPace(config)
         self.params = self.ctx.params = tuple(model.parameters())
         self.meta = grad_meta_for(config, self.optimizer)
         tied = self._tied_in_plans(model)
@@ -319,6 +325,7 @@ class PaciRuntime:
         ctx.per_token = self.meta is not None and self.meta.per_token
         ctx.planned_drift = self.planned_drift
         self._drift_plans = {}
+        self.bias_pace.apply(self.model_config, self.plan.accumulation, self.plan.per_call)
 
     def planned_drift(self, mb: int) -> int:
         """The local steps this stage takes between F mb (of the current call) and B mb, as
@@ -401,7 +408,10 @@ class PaciRuntime:
         store: list = []
         handlers = MegatronHandlers(self, forward_step_func=forward_step_func, data=self.data,
                                     forward_data_store=store)
-        StageExecutor(self.stage, handlers, self.drift).run(self.plan.call(self.call_index)[self.stage])
+        actions = self.plan.call(self.call_index)[self.stage]
+        # the first call after a start or a drain runs the in-flight forwards too (MoE metrics)
+        self.forwards_in_call = sum(1 for action in actions if action.op is Op.FORWARD)
+        StageExecutor(self.stage, handlers, self.drift).run(actions)
         handlers.reap_sends(wait=True)
         self.call_index += 1
         self.calls_done += 1

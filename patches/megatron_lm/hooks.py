@@ -113,16 +113,21 @@ class PaciTrainingHooks:
 
     ``make_runtime(args, num_microbatches, optimizer, scheduler)`` builds the runtime, bound to
     the stage's optimizer and LR scheduler and resumed at ``args.iteration`` (after Megatron-LM
-    initialised its process groups and maybe loaded a checkpoint); ``report(runtime)`` runs on
-    every rank at the end of training (it may gather across the pipeline);
+    initialised its process groups and maybe loaded a checkpoint); ``report(runtime, moe)``
+    runs on every rank at the end of training (it may gather across the pipeline);
+    ``make_moe_metrics(model, runtime)``, for MoE models, the stage-local stand-in for
+    Megatron's MoE metric report (its ``report(original, *args, **kwargs)``);
     ``drain_before_eval``: --paci-drain-before-eval. Installed by :meth:`install`; see the
     docstring of each hook.
     """
 
     def __init__(self, make_runtime: Callable[[Any, int, Any, Any], Any],
-                 report: Optional[Callable[[Any], None]] = None, log: Callable[[str], None] = None,
-                 drain_before_eval: bool = False):
+                 report: Optional[Callable[[Any, Any], None]] = None, log: Callable[[str], None] = None,
+                 drain_before_eval: bool = False,
+                 make_moe_metrics: Optional[Callable[[Any, Any], Any]] = None):
         self.make_runtime = make_runtime
+        self.make_moe_metrics = make_moe_metrics
+        self.moe = None
         self.report = report
         self.drain_before_eval = drain_before_eval
         self.log = log or (lambda text: print(text, flush=True))
@@ -147,6 +152,8 @@ class PaciTrainingHooks:
             self.disable_reruns()
             runtime = self.make_runtime(margs, get_num_microbatches(), optimizer, scheduler)
             self.runtime = runtime
+            if self.make_moe_metrics is not None and getattr(margs, "num_experts", None):
+                self.moe = self.make_moe_metrics(model, runtime)
             self.uninstall_schedule = install_forward_backward_func(runtime.forward_backward)
             return model, optimizer, scheduler
 
@@ -248,7 +255,7 @@ class PaciTrainingHooks:
         self.log(f"> PACI: drained the pipeline at the end of training (stage {runtime.stage} "
                  f"dropped {dropped} in-flight forwards)")
         if self.report is not None:
-            self.report(runtime)
+            self.report(runtime, self.moe)
 
     def evaluate_and_print_results(self, original):
         """--paci-drain-before-eval: drain before Megatron-LM evaluates (frees the in-flight
@@ -282,7 +289,50 @@ class PaciTrainingHooks:
                             ("reduce_max_stat_across_model_parallel_group", stage_local_max_stat)):
             if _replace(mlm_training, name, _plain(local)):
                 patched.append(name)
+        patched += self.install_moe_report(mlm_training)
         return patched
+
+    def install_moe_report(self, mlm_training) -> List[str]:
+        """Megatron-LM's training log reports the MoE metrics once an iteration with an
+        all-reduce over the pipeline group (``track_moe_metrics`` through 0.17, the tracker's
+        ``report`` from 0.18): under PACI it runs stage-locally (``make_moe_metrics``)."""
+        hooks = self
+        if hasattr(mlm_training, "track_moe_metrics"):
+            original = mlm_training.track_moe_metrics
+
+            @functools.wraps(original)
+            def track_moe_metrics(*args, **kwargs):
+                if hooks.moe is None:
+                    return original(*args, **kwargs)
+                return hooks.moe.report(original, *args, **kwargs)
+
+            return ["track_moe_metrics"] if _replace(mlm_training, "track_moe_metrics",
+                                                     track_moe_metrics) else []
+        if hasattr(mlm_training, "get_moe_metrics_tracker"):
+            get_tracker = mlm_training.get_moe_metrics_tracker
+
+            @functools.wraps(get_tracker)
+            def get_moe_metrics_tracker():
+                tracker = get_tracker()
+                return tracker if hooks.moe is None else _StageLocalTracker(tracker, hooks.moe)
+
+            return ["get_moe_metrics_tracker"] if _replace(
+                mlm_training, "get_moe_metrics_tracker", get_moe_metrics_tracker) else []
+        return []
+
+
+class _StageLocalTracker:
+    """Megatron's MoE metrics tracker (0.18+) whose ``report`` runs stage-locally."""
+
+    def __init__(self, tracker, moe):
+        self._paci_tracker = tracker
+        self._paci_moe = moe
+
+    def report(self, *args, **kwargs):
+        return self._paci_moe.report(self._paci_tracker.report, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._paci_tracker, name)
 
 
 def _plain(fn):

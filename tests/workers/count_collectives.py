@@ -1,6 +1,8 @@
-"""pretrain_gpt_paci.py with every torch.distributed collective counted.
+"""pretrain_gpt_paci.py, or Megatron-LM's pretrain_gpt.py through the drop-in, with every
+torch.distributed collective counted.
 
     torchrun --standalone --nproc-per-node P tests/workers/count_collectives.py <training flags>
+    torchrun ... tests/workers/count_collectives.py --drop-in path/to/pretrain_gpt.py <flags>
 
 Before Megatron is imported, each collective of ``torch.distributed`` is wrapped; a call counts
 when its group holds two or more ranks of this rank's pipeline group (so it spans stages) and
@@ -77,20 +79,49 @@ def mark_steady_state(training, counter):
     training.train_step = train_step
 
 
+def result_line(counter) -> str:
+    rank = int(os.environ.get("RANK", "0"))
+    return "RESULT " + json.dumps({"rank": rank, "count": len(counter.calls),
+                                   "calls": counter.calls[:5]})
+
+
+def drop_in(argv, counter):
+    """The drop-in: counting starts with iteration 2's optimizer report (Megatron-LM's
+    train_step; iteration 1's training log barriers all ranks for its timer, as at every
+    --log-interval) and stops at the drain that ends training."""
+    from paci_megatron import run
+    from paci_megatron.patches.megatron_lm import hooks
+
+    step, finish = hooks.LocalStepOptimizer.step, hooks.PaciTrainingHooks.finish
+
+    def counted_step(self):
+        counter.on = counter.on or self._paci_steps_before > 0  # from iteration 2 on
+        return step(self)
+
+    def counted_finish(self):
+        counter.on = False
+        print(result_line(counter), flush=True)
+        return finish(self)
+
+    hooks.LocalStepOptimizer.step = counted_step
+    hooks.PaciTrainingHooks.finish = counted_finish
+    return run.main(argv)
+
+
 def main(argv):
     counter = Counter()
     counter.install()
+    if argv and argv[0] == "--drop-in":
+        return drop_in(argv[1:], counter)
     from paci_megatron import training
 
     mark_steady_state(training, counter)
-    rank = int(os.environ.get("RANK", "0"))
     # training.finish destroys the process groups, so the result is printed before exiting
     original_finish = training.finish
 
     def finish(job):
         counter.on = False
-        print("RESULT " + json.dumps({"rank": rank, "count": len(counter.calls),
-                                      "calls": counter.calls[:5]}), flush=True)
+        print(result_line(counter), flush=True)
         return original_finish(job)
 
     training.finish = finish

@@ -25,6 +25,7 @@ from paci_megatron.mcore import build
 from paci_megatron.mcore.reference import PipelineEmulator, StageParts, weights_sha256
 from paci_megatron.tools.backward_audit import audit_backward
 from paci_megatron.mcore.runtime import PaciRuntime
+from paci_megatron.mcore.checkpoint import persistent_buffers
 from paci_megatron.mcore.tied import tied_sha256
 from paci_megatron.plan_policy import AdaptivePlan
 
@@ -43,6 +44,10 @@ BASE = dict(tp=1, dp=1, a=4, n=4, calls=5, dropout=0.0, bf16=False, recompute=Fa
             optimizer="adam", moe=None, ep=1)
 MOE = dict(num_experts=4, router_topk=2, ffn_hidden_size=64, layer_freq=2, aux_loss_coeff=1e-2,
            shared_expert_intermediate_size=64, token_dispatcher_type="alltoall")
+# aux-loss-free balancing: sigmoid scores, the expert bias moved at every local step (a rate
+# large enough to change which experts win within a few steps)
+MOE_BIAS = dict(MOE, router_score_function="sigmoid", router_enable_expert_bias=True,
+                router_bias_update_rate=1e-2)
 CASES: Dict[str, Dict] = {
     "p2_a4": dict(pp=2, dropout=0.1),
     "p2_a2": dict(pp=2, a=2, n=8, calls=4),
@@ -141,6 +146,13 @@ CASES: Dict[str, Dict] = {
     "p2_dp2_ep2_moe": dict(pp=2, dp=2, ep=2, a=2, moe=MOE),
     "p2_dp2_ep2_moe_allgather": dict(pp=2, dp=2, ep=2, a=2, dist_opt=True,
                                      moe=dict(MOE, token_dispatcher_type="allgather")),
+    # fp16 with the stages' scalers apart: each backward scales the aux loss's gradient at its
+    # stage's loss scale then (a local step in between may have changed it), not the forward's
+    "p2_fp16_moe": dict(pp=2, a=2, calls=6, fp16=True, moe=MOE),
+    # the expert bias at P = 4, and with EP = 2, the distributed optimizer and the prediction
+    "p4_moe_bias": dict(pp=4, a=2, n=8, calls=4, bf16=True, moe=MOE_BIAS),
+    "p2_dp2_ep2_moe_bias_distopt": dict(pp=2, dp=2, ep=2, a=2, n=8, calls=4, dist_opt=True,
+                                        bf16=True, predict=True, moe=MOE_BIAS),
 }
 
 
@@ -318,7 +330,9 @@ def run_runtime(case: str, out_dir: str) -> None:
         tied_buffers=buffers, initial_weights=initial,
         predicted={str(k): v for k, v in sorted(features[-1].predicted.items())}
         if cfg["predict"] else {}, restores=restores, moves=moves,
-        true_after_step=true_after_step, evaluated=evaluated))
+        true_after_step=true_after_step, evaluated=evaluated,
+        expert_bias=[t.tolist() for name, t in persistent_buffers(parts.model)
+                     if name.endswith("expert_bias")]))
 
 
 def run_emulator(case: str, out_dir: str) -> None:
