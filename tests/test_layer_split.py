@@ -166,3 +166,27 @@ def test_moving_layers_between_stages_reshards_like_a_new_p():
     # a checkpoint from before the split was recorded is not checked on it
     old = {k: v for k, v in dist.items() if k != "layers_per_stage"}
     assert describe_mismatch(old, dict(uneven, use_distributed_optimizer=True)) == []
+
+
+def test_compare_times_the_stage_with_the_most_layers_and_skips_interleaving(capsys):
+    """compare's one-stage timing model drops the split's flags and takes the layers of the
+    stage that sets the pace; interleaving takes no uneven stages, so that run is left out."""
+    from paci_megatron.tools.compare import build_parser, paced_by, plan_runs, timing_flags
+
+    flags = ["--num-layers", "8", FIRST, "1", LAST, "1", "--hidden-size", "64"]
+    assert timing_flags(flags, 3) == ["--hidden-size", "64", "--num-layers", "3",
+                                      "--pipeline-model-parallel-size", "1",
+                                      "--pipeline-schedule", "1f1b"]
+    assert timing_flags([f"{LAYOUT}=Et|tttt|tL", EMBEDDING, LOSS], 4)[:2] == ["--num-layers",
+                                                                              "4"]
+    args, _ = parse_and_validate(BASE + ["--num-layers", "8", FIRST, "1", LAST, "1"],
+                                 world_size=4)
+    assert paced_by(args) == 3  # 1/3/3/1
+    even, _ = parse_and_validate(BASE + ["--num-layers", "8"], world_size=4)
+    assert paced_by(even) == 2
+    compare_args = build_parser().parse_args(["--out", "x"])
+    names = [s.name for s in plan_runs(compare_args, flags + ["--pipeline-model-parallel-size",
+                                                               "4"])]
+    assert names == ["1f1b", "paci", "paci-a1"]
+    assert f"skipping interleaved: uneven stages ({FIRST})" in capsys.readouterr().out
+    assert "interleaved" in [s.name for s in plan_runs(compare_args, ["--num-layers", "8"])]
