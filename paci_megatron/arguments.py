@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 from .config import Layout, PaciConfig, add_paci_arguments, rampup_micro_batches, resolve
 from .flag import ConfigError, bounded_float, bounded_int, non_negative_float, path, positive, \
     probability
+from .layer_split import LayerSplit
 from .quiet import exit_after_local_rank0, is_local_rank0
 
 # pretrain_gpt_paci.py's flags whose default differs from Megatron-LM 0.16.1's (same name,
@@ -105,6 +106,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: every rank not used by tensor parallelism (data parallel 1)")
     g.add_argument("--num-layers-per-virtual-pipeline-stage",
                    type=positive("--num-layers-per-virtual-pipeline-stage"), default=None)
+    g.add_argument("--decoder-first-pipeline-num-layers",
+                   type=positive("--decoder-first-pipeline-num-layers"), default=None,
+                   help="transformer layers on the first stage (which also holds the "
+                        "embedding); the stages between share the rest evenly")
+    g.add_argument("--decoder-last-pipeline-num-layers",
+                   type=positive("--decoder-last-pipeline-num-layers"), default=None,
+                   help="transformer layers on the last stage (which also holds the output "
+                        "layer and the loss)")
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="count the embedding as a layer of the even split: the first stage "
+                        "builds one transformer layer fewer")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="count the loss as a layer of the even split: the last stage builds "
+                        "one transformer layer fewer")
+    g.add_argument("--pipeline-model-parallel-layout", default=None,
+                   help="every stage's layers, e.g. 'Et|tttt|tL': E embedding, t transformer "
+                        "layer, L loss, '|' between stages, '(tt|)*3' and 't*3' repeat; one "
+                        "stage per pipeline rank")
     g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None,
                    help="default: nccl when CUDA is available, else gloo")
     g.add_argument("--distributed-timeout-minutes", type=bounded_float(
@@ -233,20 +252,7 @@ def validate(args: argparse.Namespace, world_size: int) -> PaciConfig:
                           f"{pp} must divide the world size {world_size}")
     dp = world_size // (tp * pp)
     args.data_parallel_size = dp
-    if args.num_layers % pp:
-        raise ConfigError(f"--num-layers {args.num_layers} is not divisible by "
-                          f"--pipeline-model-parallel-size {pp}; pick a multiple of {pp}")
-    vpp = None
-    if args.num_layers_per_virtual_pipeline_stage is not None:
-        per_stage = args.num_layers // pp
-        if per_stage % args.num_layers_per_virtual_pipeline_stage:
-            raise ConfigError(
-                f"--num-layers-per-virtual-pipeline-stage "
-                f"{args.num_layers_per_virtual_pipeline_stage} must divide the "
-                f"{per_stage} layers of each pipeline stage")
-        vpp = per_stage // args.num_layers_per_virtual_pipeline_stage
-        if vpp == 1:
-            vpp = None
+    vpp = _validate_layer_split(args, pp)
     args.virtual_pipeline_model_parallel_size = vpp
     if args.hidden_size % args.num_attention_heads:
         raise ConfigError(f"--hidden-size {args.hidden_size} must be divisible by "
@@ -284,6 +290,35 @@ def validate(args: argparse.Namespace, world_size: int) -> PaciConfig:
         micro_batch_size=args.micro_batch_size, data_parallel_size=dp, virtual=vpp is not None,
         ramp=tuple(ramp), tied=pp > 1 and not args.untie_embeddings_and_output_weights,
         fp16=args.fp16))
+
+
+def layer_split(args) -> LayerSplit:
+    """The uneven-stage flags as given (Megatron-LM's names)."""
+    return LayerSplit(first=args.decoder_first_pipeline_num_layers,
+                      last=args.decoder_last_pipeline_num_layers,
+                      embedding=args.account_for_embedding_in_pipeline_split,
+                      loss=args.account_for_loss_in_pipeline_split,
+                      layout=args.pipeline_model_parallel_layout)
+
+
+def _validate_layer_split(args, pp: int) -> Optional[int]:
+    """Each stage's transformer layers into ``args.layers_per_stage``; returns the virtual
+    stages per rank (None without interleaving)."""
+    split = layer_split(args)
+    counts = split.layers_per_stage(args.num_layers, pp)
+    args.layers_per_stage = list(counts)
+    per_chunk = args.num_layers_per_virtual_pipeline_stage
+    if per_chunk is None:
+        return None
+    if not split.even:
+        raise ConfigError(f"{', '.join(split.given())} with "
+                          "--num-layers-per-virtual-pipeline-stage: uneven stages with virtual "
+                          "stages are not supported here; drop one")
+    if counts[0] % per_chunk:
+        raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {per_chunk} must divide "
+                          f"the {counts[0]} layers of each pipeline stage")
+    vpp = counts[0] // per_chunk
+    return None if vpp == 1 else vpp
 
 
 MOE_FLAGS = ("moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size",

@@ -141,8 +141,9 @@ def memory_record(job) -> Dict:
 def log_start(job) -> None:
     """The start-up lines: which rank is which stage; on the reporting rank, the schedule."""
     opts, info = job.opts, job.info
-    log(f"[paci] rank {info['rank']} = pipeline stage {info['pp_rank']}, "
-        f"tensor rank {info['tp_rank']}, data rank {info['dp_rank']}")
+    log(f"[paci] rank {info['rank']} = pipeline stage {info['pp_rank']} "
+        f"({layer_ranges(info.get('layers', []))}), tensor rank {info['tp_rank']}, "
+        f"data rank {info['dp_rank']}")
     if not job.reporter:
         return
     fb = job.forward_backward
@@ -157,6 +158,19 @@ def log_start(job) -> None:
     log(job.optimizer_line)
     for note in opts.notes:
         log(note)
+
+
+def layer_ranges(numbers: List[int]) -> str:
+    """A stage's transformer layers for a log line: ``[2, 3, 4, 5]`` reads "transformer
+    layers 2-5"; interleaving's chunks give several runs ("1-2, 5-6")."""
+    if not numbers:
+        return "no transformer layer"
+    runs, start = [], numbers[0]
+    for prev, now in zip(numbers, numbers[1:] + [None]):
+        if now != prev + 1:
+            runs.append(f"{start}-{prev}" if prev != start else f"{start}")
+            start = now
+    return f"transformer layer{'s' if len(numbers) > 1 else ''} {', '.join(runs)}"
 
 
 def optimizer_line(optimizer: str, betas: tuple, weight_decay: float, clip_grad: float) -> str:

@@ -16,6 +16,9 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 # flags a checkpoint must share with the run that loads it: (attribute, flag as the user types it)
 RUN_FLAGS: Tuple[Tuple[str, str], ...] = (
     ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
+    ("layers_per_stage", "transformer layers per stage (--decoder-first-pipeline-num-layers, "
+     "--decoder-last-pipeline-num-layers, --account-for-embedding-in-pipeline-split, "
+     "--account-for-loss-in-pipeline-split, --pipeline-model-parallel-layout)"),
     ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
     ("data_parallel_size", "data-parallel size (ranks / (TP x PP))"),
     ("use_distributed_optimizer", "--use-distributed-optimizer"),
@@ -76,12 +79,16 @@ def describe_mismatch(saved: Optional[Mapping], current: Mapping) -> List[str]:
         if attr in ("make_vocab_size_divisible_by", "dist_ckpt_optim_fully_reshardable"):
             continue  # what matters: the padded vocabulary (below), the saved format (here)
         hint = ""
-        if attr in RESHARDABLE:
+        if attr == "layers_per_stage" and saved.get("pipeline_model_parallel_size") != \
+                current.get("pipeline_model_parallel_size"):
+            continue  # moving layers between stages is a reshard; a new P says it already
+        if attr in RESHARDABLE or attr == "layers_per_stage":
             if attr == "data_parallel_size" or not current.get("use_distributed_optimizer") \
                     or saved.get("dist_ckpt_optim_fully_reshardable"):
                 continue
+            keep = "layers per stage" if attr == "layers_per_stage" else "P and TP"
             hint = (" (this distributed-optimizer checkpoint reshards over data parallelism "
-                    "only: keep its P and TP, or write it with "
+                    f"only: keep its {keep}, or write it with "
                     "--dist-ckpt-optim-fully-reshardable)")
         out.append(f"{flag}: checkpoint {saved[attr]}, this run {current[attr]}{hint}")
     return out + _vocab_mismatch(saved, current)

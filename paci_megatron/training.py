@@ -26,6 +26,7 @@ from .job_log import (final_record, log, log_final_drift, log_iteration, log_sta
                       trim_metrics_file, write_metrics)
 from .memory import LiveTensorMeter, SavedTensorMeter
 from .quiet import exit_after_local_rank0, is_local_rank0, is_rank0
+from .arguments import layer_split
 from .config import PaciConfig
 from .registry import SCHEDULES_BY_NAME
 from .restart import (SaveClock, describe_mismatch, describe_reshard, describe_switch,
@@ -79,7 +80,8 @@ def _gpt_spec(args):
         normalization=args.normalization,
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
-        transformer_impl=args.transformer_impl, moe=_moe_spec(args))
+        transformer_impl=args.transformer_impl, moe=_moe_spec(args),
+        layer_split=layer_split(args))
 
 
 def _moe_spec(args):
@@ -196,6 +198,7 @@ def setup(args, opts: PaciConfig) -> Job:
         spec, seed=args.seed, use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather)
+    info["layers"] = build.stage_layer_numbers(model)  # as built: the start-up line, the summary
     optimizer = build.build_optimizer(
         model, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad,
@@ -478,6 +481,8 @@ def finish(job: Job) -> Dict:
         save(job)
     memory = mcore_runtime.gather_across_pipeline(memory_record(job))
     summary["memory"] = memory
+    # each stage's transformer layers (global numbers, 1-based), as its model built them
+    summary["layers"] = mcore_runtime.gather_across_pipeline(job.info["layers"])
     write_metrics(job, final_record(job, summary, validation))
     if job.uninstall is not None:
         job.uninstall()

@@ -106,7 +106,8 @@ def test_the_package_has_no_import_circle():
 # their one validator, the methods' configuration side, the projections. No torch, no Megatron.
 PURE_CORE = ("paci_megatron.adapt", "paci_megatron.arguments", "paci_megatron.config",
              "paci_megatron.emulate", "paci_megatron.executor", "paci_megatron.features",
-             "paci_megatron.flag", "paci_megatron.interleaved", "paci_megatron.lockstep",
+             "paci_megatron.flag", "paci_megatron.interleaved", "paci_megatron.layer_split",
+             "paci_megatron.lockstep",
              "paci_megatron.nccl_model", "paci_megatron.plan_policy", "paci_megatron.registry",
              "paci_megatron.restart", "paci_megatron.schedule", "paci_megatron.shape",
              "paci_megatron.simulate", "paci_megatron.throughput", "paci_megatron.tools.compare",

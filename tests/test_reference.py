@@ -25,7 +25,7 @@ PP_ONLY = ["p2_a4", "p2_a2", "p2_bf16", "p2_distopt", "p2_drain_eval",
            "p4_a4", "p4_a1", "p4_bf16", "p4_recompute", "p4_eval_nodrain", "p4_drain_eval",
            "p4_auto", "p2_tied", "p2_tied_bf16", "p4_tied", "p4_bf16_predict", "p4_tied_bf16",
            "p4_tied_bf16_predict", "p4_bf16_predict_overlap", "p4_tied_bf16_lookahead",
-           "p2_moe", "p4_moe_bf16_predict", "p4_moe_bias"]
+           "p2_moe", "p4_moe_bf16_predict", "p4_moe_bias", "p4_uneven", "p2_layout_tied"]
 # 2 emulator processes, 4 runtime ones
 PARALLEL = ["p2_dp2", "p2_dp2_distopt", "p2_tp2", "p2_dp2_tied", "p2_dp2_tied_bf16_predict",
             "p2_dp2_distopt_bf16", "p2_dp2_distopt_bf16_predict", "p2_tp2_bf16_predict",
@@ -86,10 +86,21 @@ def test_runtime_equals_emulator_bit_for_bit(case, results):
         assert r["steps"] == e["steps"]  # per step: mb, success, grad norm, LR, weights SHA-256
         assert r["histogram"] == e["histogram"]  # drift of every micro-batch
         assert r.get("tied_histogram", {}) == e.get("tied_histogram", {})
+        assert r["layers"] == e["layers"]  # the transformer layers the stage built
+
+
+@pytest.mark.parametrize("case,layers", [("p4_uneven", [[1], [2, 3], [4, 5], [6]]),
+                                         ("p2_layout_tied", [[1, 2, 3], [4]])])
+def test_uneven_stages_hold_their_own_layers_in_both_modes(case, layers, results):
+    """Each stage, in the runtime and in the emulator's stage of the same rank, built the
+    transformer layers its split gives it (global numbers, as Megatron numbers them)."""
+    for mode in ("runtime", "emulator"):
+        rows = results(case, mode)
+        assert [rows[f"pp{s}tp0dp0"]["layers"] for s in range(len(rows))] == layers, mode
 
 
 @pytest.mark.parametrize("case,lag", [
-    ("p2_tied", 2), ("p2_tied_bf16", 1), ("p4_tied", 2),
+    ("p2_tied", 2), ("p2_tied_bf16", 1), ("p4_tied", 2), ("p2_layout_tied", 1),
     ("p2_dp2_tied_distopt", 1), ("p2_dp2_tied_overlap", 1), ("p2_dp2_tied_distopt_bf16_overlap", 2),
     ("p2_tied_fp16", 1), ("p2_dp2_tied_fp16_distopt_overlap", 1),
     ("p4_dp2_tied_distopt_bf16_overlap", 2), ("p4_dp2_tied_fp16_distopt_overlap", 2)])

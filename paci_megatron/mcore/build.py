@@ -27,6 +27,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
+from ..layer_split import LayerSplit
 from ..restart import padded_vocab_size
 from . import nadam
 from .data import to_device
@@ -47,6 +48,7 @@ __all__ = [
     "stage_info",
     "set_random_seed",
     "unwrap_model",
+    "stage_layer_numbers",
     "peak_rss_mb",
     "peak_device_memory_mb",
 ]
@@ -82,6 +84,8 @@ class GPTSpec:
     transformer_impl: str = "local"
     make_vocab_size_divisible_by: int = 1  # Megatron-LM's flag (its default is 128)
     moe: Optional["MoESpec"] = None  # --num-experts: MoE layers (None: a dense GPT)
+    # the uneven-stage flags (--decoder-first-pipeline-num-layers, ..., the layout)
+    layer_split: LayerSplit = LayerSplit()
 
 
 @dataclass(frozen=True)
@@ -119,16 +123,14 @@ class MoESpec:
 
 
 def _check_layer_split(spec: GPTSpec, pp: int, vpp: Optional[int]) -> None:
-    if spec.num_layers % pp != 0:
-        raise ValueError(
-            f"--num-layers ({spec.num_layers}) must be divisible by "
-            f"--pipeline-model-parallel-size ({pp})"
-        )
-    if vpp is not None and spec.num_layers % (pp * vpp) != 0:
+    """Each stage gets a layer count Megatron-Core accepts (raises ConfigError, a ValueError,
+    naming the flag); interleaving takes only an even split."""
+    counts = spec.layer_split.layers_per_stage(spec.num_layers, pp)
+    if vpp is not None and (not spec.layer_split.even or counts[0] % vpp):
         raise ValueError(
             f"--num-layers ({spec.num_layers}) must be divisible by "
             f"--pipeline-model-parallel-size ({pp}) x "
-            f"--virtual-pipeline-model-parallel-size ({vpp})"
+            f"--virtual-pipeline-model-parallel-size ({vpp}), with no uneven stages"
         )
 
 
@@ -168,6 +170,7 @@ def make_transformer_config(spec: GPTSpec) -> TransformerConfig:
         deallocate_pipeline_outputs=True,
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
         **(spec.moe.config_fields() if spec.moe is not None else {}),
+        **spec.layer_split.config_fields(),
     )
 
 
@@ -274,6 +277,16 @@ def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
     while isinstance(module, (DistributedDataParallel, Float16Module)):
         module = module.module
     return module
+
+
+def stage_layer_numbers(model_chunks: List[torch.nn.Module]) -> List[int]:
+    """The global numbers (1-based, Megatron's ``layer_number``) of the transformer layers
+    this rank's chunks built: what the stage holds, read from the modules."""
+    numbers = []
+    for chunk in model_chunks:
+        decoder = getattr(unwrap_model(chunk), "decoder", None)
+        numbers += [layer.layer_number for layer in decoder.layers] if decoder is not None else []
+    return numbers
 
 
 def _stable_seed(seed: int, name: str) -> int:

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..features import METHODS, method_named
+from ..layer_split import EMBEDDING, FIRST, LAST, LAYOUT, LOSS, UNEVEN_FLAGS
 from ..simulate import Costs
 from . import tta
 from .compare_report import (budget_table, gap_table, method_cost_line, plot, print_speedups,
@@ -170,10 +171,10 @@ NOT_FOR_TIMING = ("--num-layers", "--pipeline-model-parallel-size", "--pipeline-
                   "--num-layers-per-virtual-pipeline-stage", "--save", "--load",
                   "--metrics-file", "--tensorboard-dir", "--exit-interval", "--save-interval",
                   "--save-interval-minutes", "--paci-accumulation-factor", "--paci-max-drift",
-                  "--paci-on-nonfinite", "--eval-interval")
+                  "--paci-on-nonfinite", "--eval-interval", FIRST, LAST, LAYOUT)
 SWITCHES_NOT_FOR_TIMING = ("--paci-drain-before-eval", "--measure-memory",
                            "--measure-activation-memory", "--override-opt_param-scheduler",
-                           "--use-checkpoint-opt_param-scheduler")
+                           "--use-checkpoint-opt_param-scheduler", EMBEDDING, LOSS)
 
 
 def timing_flags(train_flags: Sequence[str], layers_per_stage: int) -> List[str]:
@@ -193,15 +194,20 @@ def timing_flags(train_flags: Sequence[str], layers_per_stage: int) -> List[str]
                   "--pipeline-schedule", "1f1b"]
 
 
-def measure_costs(train_flags: Sequence[str], shape: tta.RunShape, out: str,
+def paced_by(run_args) -> int:
+    """The layers of the stage that holds the most (a run's validated flags): with uneven
+    stages that stage sets the pace, so the projection times a stage of its size."""
+    return max(run_args.layers_per_stage)
+
+
+def measure_costs(train_flags: Sequence[str], stage_layers: int, out: str,
                   timeout: float) -> Dict[str, float]:
     """Time one stage's forward, backward and step on the real model (one short launch of
-    a one-stage model with one stage's layers, tensor parallel as in the runs)."""
-    layers = int(_flag(train_flags, "--num-layers", "4"))
+    a one-stage model of ``stage_layers`` layers, tensor parallel as in the runs)."""
     tp = int(_flag(train_flags, "--tensor-model-parallel-size", "1"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={tp}", "-m", "paci_megatron.tools.costs",
-           *timing_flags(train_flags, layers // shape.num_stages)]
+           *timing_flags(train_flags, stage_layers)]
     path = os.path.join(out, "costs.log")
     with open(path, "w") as log:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
@@ -334,7 +340,12 @@ def plan_runs(args, train_flags: List[str]) -> List[RunSpec]:
     names = args.schedules if args.schedules is not None else \
         ("" if args.run else ",".join(BUILT_IN))
     specs = []
+    uneven = [f for f in train_flags if f.split("=", 1)[0] in UNEVEN_FLAGS]
     for name in filter(None, (n.strip() for n in names.split(","))):
+        if name == "interleaved" and uneven:
+            print(f"skipping interleaved: uneven stages ({uneven[0]}) take no virtual stages",
+                  flush=True)
+            continue
         extra = schedule_flags(name, layers // pp)
         if extra is None:
             print(f"skipping {name}: needs at least 2 layers per stage", flush=True)
@@ -403,7 +414,8 @@ def compare(args, train_flags: List[str]) -> int:
     cost_source = "from the flags"
     if args.project_costs == "measured":
         print("timing one stage of the real model ...", flush=True)
-        timed = measure_costs(train_flags, shapes[base_name], args.out, args.timeout)
+        timed = measure_costs(train_flags, paced_by(resolved[base_name][0]), args.out,
+                              args.timeout)
         args.project_forward_ms, args.project_backward_ms, args.project_step_ms = (
             timed["forward_ms"], timed["backward_ms"], timed["step_ms"])
         args.project_predict_ms = timed["predict_ms"]

@@ -21,6 +21,7 @@ import torch
 from paci_megatron.adapt import Adaptive, candidates
 from paci_megatron.features import Lookahead, StageFeature, WeightPrediction
 from paci_megatron.features.weight_prediction import Prediction
+from paci_megatron.layer_split import LayerSplit
 from paci_megatron.mcore import build
 from paci_megatron.mcore.reference import PipelineEmulator, StageParts, weights_sha256
 from paci_megatron.tools.backward_audit import audit_backward
@@ -41,7 +42,7 @@ BASE = dict(tp=1, dp=1, a=4, n=4, calls=5, dropout=0.0, bf16=False, recompute=Fa
             audit=False, factors=None, tied=False,
             fp16=False, per_token=False, predict=False, overlap=False, grad_overlap=False, kind="paci",
             fp16_scales=(19, 20), warmup=8, param_gather=False, lookahead=0.0,
-            optimizer="adam", moe=None, ep=1)
+            optimizer="adam", moe=None, ep=1, split=None)
 MOE = dict(num_experts=4, router_topk=2, ffn_hidden_size=64, layer_freq=2, aux_loss_coeff=1e-2,
            shared_expert_intermediate_size=64, token_dispatcher_type="alltoall")
 # aux-loss-free balancing: sigmoid scores, the expert bias moved at every local step (a rate
@@ -153,6 +154,10 @@ CASES: Dict[str, Dict] = {
     "p4_moe_bias": dict(pp=4, a=2, n=8, calls=4, bf16=True, moe=MOE_BIAS),
     "p2_dp2_ep2_moe_bias_distopt": dict(pp=2, dp=2, ep=2, a=2, n=8, calls=4, dist_opt=True,
                                         bf16=True, predict=True, moe=MOE_BIAS),
+    # uneven stages (issue 51): the end stages hold fewer transformer layers, by Megatron-LM's
+    # first/last flags (1/2/2/1) and by a layout (3/1), tied embeddings beside them
+    "p4_uneven": dict(pp=4, a=2, layers=6, dropout=0.1, split=dict(first=1, last=1)),
+    "p2_layout_tied": dict(pp=2, a=2, tied=True, split=dict(layout="Ettt|tL")),
 }
 
 
@@ -169,7 +174,8 @@ def spec_of(cfg: Dict) -> build.GPTSpec:
         recompute_granularity="full" if cfg["recompute"] else None,
         recompute_method="uniform" if cfg["recompute"] else None,
         recompute_num_layers=1 if cfg["recompute"] else None,
-        moe=build.MoESpec(**cfg["moe"]) if cfg["moe"] else None)
+        moe=build.MoESpec(**cfg["moe"]) if cfg["moe"] else None,
+        layer_split=LayerSplit(**cfg["split"]) if cfg["split"] else LayerSplit())
 
 
 def build_parts(cfg: Dict) -> StageParts:
@@ -332,7 +338,8 @@ def run_runtime(case: str, out_dir: str) -> None:
         if cfg["predict"] else {}, restores=restores, moves=moves,
         true_after_step=true_after_step, evaluated=evaluated,
         expert_bias=[t.tolist() for name, t in persistent_buffers(parts.model)
-                     if name.endswith("expert_bias")]))
+                     if name.endswith("expert_bias")],
+        layers=build.stage_layer_numbers([parts.model])))
 
 
 def run_emulator(case: str, out_dir: str) -> None:
@@ -364,7 +371,8 @@ def run_emulator(case: str, out_dir: str) -> None:
             if prediction else {},
             audit=[dataclasses.asdict(v) for v in audits.get(s, [])],
             tied_histogram={str(k): v for k, v in sorted(emu.tied.histogram.items())}
-            if emu.tied is not None and s == cfg["pp"] - 1 else {}))
+            if emu.tied is not None and s == cfg["pp"] - 1 else {},
+            layers=build.stage_layer_numbers([stage.parts.model])))
 
 
 def _hex(value):
