@@ -79,6 +79,7 @@ def test_killed_stage_stops_the_job(tmp_path):
     assert "exitcode  : -9" in out and "rank      : 2 (local_rank: 2)" in out  # torchrun's report
 
 
+@pytest.mark.slow  # a minute mostly waiting for the timeout: CI runs it (.ci/slow-tests)
 def test_stalled_stage_times_out(tmp_path):
     code, elapsed, out = _fault_and_time(tmp_path, signal.SIGSTOP)
     assert code != 0
