@@ -186,8 +186,11 @@ def refuse_stage_crossing_collectives(args: argparse.Namespace) -> None:
                          "drop it")
     if pp > 1 and getattr(args, "mtp_num_layers", None):
         raise ValueError("--pipeline-schedule paci does not support --mtp-num-layers with "
-                         "pipeline parallelism: the embedding gradient is all-reduced between "
-                         "the first and last stage at every local step")
+                         "pipeline parallelism yet: the MTP layers keep a copy of the embedding "
+                         "on the last stage, whose gradient Megatron all-reduces with the first "
+                         "stage's at every step, and PACI's point-to-point tied exchange does "
+                         "not carry that copy yet; drop --mtp-num-layers or use "
+                         "--pipeline-schedule 1f1b")
     if getattr(args, "step_batch_size_schedule", None):  # Megatron-LM 0.19
         raise ValueError("--pipeline-schedule paci does not support --step-batch-size-schedule "
                          "yet: the accumulation factor is checked against every number of "
