@@ -95,3 +95,27 @@ def test_a_moe_gpt_trains_under_paci_at_p2_by_ep2_beside_stock_1f1b(tmp_path):
         assert [(r["moe_layers"], r["iterations"]) for r in rows] == [(2, 6), (2, 6)], rows
         assert all(0.5 < r["means"]["load_balancing_loss"] < 2.0 for r in rows)
     assert "> PACI stage 1 MoE (2 MoE layers, mean over 6 iterations)" in paci["out"]
+
+
+@pytest.mark.dist
+def test_a_moe_gpt_with_the_expert_bias_resumes_bit_for_bit(tmp_path):
+    """P = 2, a = 1 of 4 micro-batches, the expert bias moving at every local step: 8
+    iterations saving at 4 (a save drains) equal 4, stop, load, 4 more: every loss, and every
+    stage's weights and expert bias at the end (a persistent buffer, in the checkpoint)."""
+    flags = ["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--num-experts", "4",
+             "--moe-aux-loss-coeff", "0.01", "--moe-router-score-function", "sigmoid",
+             "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.01",
+             "--untie-embeddings-and-output-weights", "--bf16", "--paci-accumulation-factor",
+             "1", "--global-batch-size", "8", "--micro-batch-size", "2", "--train-iters", "8"]
+    whole = train_paci([*flags, "--save", str(tmp_path / "a"), "--save-interval", "4"],
+                       tmp_path / "whole.jsonl")
+    first = train_paci([*flags, "--exit-interval", "4", "--save", str(tmp_path / "b")],
+                       tmp_path / "first.jsonl")
+    second = train_paci([*flags, "--load", str(tmp_path / "b")], tmp_path / "second.jsonl")
+    assert "loaded checkpoint" in second["out"]
+    losses = {name: {r["iteration"]: r["lm_loss"] for run in runs for r in run["records"]
+                     if "lm_loss" in r} for name, runs in (("whole", [whole]),
+                                                           ("resumed", [first, second]))}
+    assert sorted(losses["resumed"]) == list(range(1, 9))
+    assert losses["resumed"] == losses["whole"]
+    assert second["summary"]["weights_sha256"] == whole["summary"]["weights_sha256"]

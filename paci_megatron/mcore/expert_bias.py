@@ -4,7 +4,10 @@ Megatron moves each router's expert bias in ``finalize_model_grads``: by the upd
 each expert that got fewer tokens than the mean since the last move and down for each that got
 more (the counts summed over tensor, context and data parallel ranks). Under 1F1B that is once an
 iteration, over its N micro-batches. PACI runs ``finalize_model_grads`` at every local step of a
-stage, N/a times an iteration, each over the a micro-batches of the step's group. Moving by the
+stage, N/a times an iteration, each over the a forwards the stage ran since its last step (the
+step's group shifted by the forwards in flight; a call ends with a step, so a drain finds no
+count: the forwards it drops were counted at that step, and count again when they run after
+it, as in a run resumed from the checkpoint the drain precedes). Moving by the
 flag's rate there would move the bias N/a times as far per sample; so the rate in force at a
 local step is ``rate x a / N``: per sample the bias moves as far as stock's, in N/a smaller
 steps, each from the counts of fewer tokens (the sign of a shorter window's imbalance). With

@@ -151,7 +151,7 @@ CASES: Dict[str, Dict] = {
     # stage's loss scale then (a local step in between may have changed it), not the forward's
     "p2_fp16_moe": dict(pp=2, a=2, calls=6, fp16=True, moe=MOE),
     # the expert bias at P = 4, and with EP = 2, the distributed optimizer and the prediction
-    "p4_moe_bias": dict(pp=4, a=2, n=8, calls=4, bf16=True, moe=MOE_BIAS),
+    "p4_moe_bias": dict(pp=4, a=2, n=8, calls=4, bf16=True, moe=MOE_BIAS, drain_after=(2,)),
     "p2_dp2_ep2_moe_bias_distopt": dict(pp=2, dp=2, ep=2, a=2, n=8, calls=4, dist_opt=True,
                                         bf16=True, predict=True, moe=MOE_BIAS),
     # uneven stages (issue 51): the end stages hold fewer transformer layers, by Megatron-LM's
