@@ -446,6 +446,11 @@ class StreamPlan:
             return self.first[k]
         return shift_segment(self.steady, (k - len(self.first)) * self.per_call)
 
+    def lists(self, calls: int) -> Tuple[Tuple[Action, ...], ...]:
+        """Each stage's actions over calls 0..calls-1 (each call cut once, not once a stage)."""
+        cut = [self.call(k) for k in range(calls)]
+        return tuple(tuple(act for seg in cut for act in seg[s]) for s in range(self.num_stages))
+
     def steps_before_backward(self, call: int, stage: int, mb: int) -> int:
         """What the lists say of micro-batch ``mb``, forwarded in call ``call``: the local
         steps (T) ``stage`` takes before its backward (in this call or a later one)."""

@@ -200,4 +200,5 @@ def admit_plan(plan: StreamPlan, config, warmed: bool = False) -> None:
             f"the {plan.kind} plan P={plan.num_stages} a={plan.accumulation} N={plan.per_call}"
             f"{' with tied embeddings' if plan.tied else ''} fails its checks{where}: {exc}. "
             "Change --paci-accumulation-factor or --global-batch-size (or report it: the "
-            "shipped plans pass these checks for P <= 8)") from exc
+            "suite checks every plan of P = 2..32 with a dividing N = 16, and P <= 8 more "
+            "widely)") from exc
