@@ -187,7 +187,9 @@ def log_final_drift(dropped: int, drift: List[Dict]) -> None:
         "forwards)")
     for row in drift:
         log(f"> stage {row['stage']}: max drift {row['max']} (bound {row['bound']}), "
-            f"histogram {row['histogram']}, local steps {row['steps']}")
+            f"histogram {row['histogram']}, local steps {row['steps']}"
+            + (f", forward {row['stage_forward_ms']:.2f} ms" if row.get("stage_forward_ms")
+               else ""))
         if row.get("tied"):
             tied = row["tied"]
             log(f"> stage {row['stage']}: tied embedding staleness max {tied['max']} "
@@ -205,8 +207,9 @@ def final_record(job, summary: Dict, validation: Optional[float]) -> Dict:
     costs = {key: [r.get(key) for r in drift] for key in keys if any(key in r for r in drift)}
     if costs:
         costs["method_forward_ms"] = [r.get("forward_ms") for r in drift]
+    paces = [r.get("stage_forward_ms") for r in drift]
     return {**({"tied_max_staleness": [t and t["max"] for t in tied]} if any(tied) else {}),
-            **costs,
+            **costs, **({"stage_forward_ms": paces} if any(paces) else {}),
             "final": True, "iteration": job.iteration, "consumed_samples": job.consumed,
             "validation_loss": validation, "wall_s": time.perf_counter() - job.started,
             "max_drift": [r["max"] for r in drift],

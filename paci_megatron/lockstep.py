@@ -34,10 +34,20 @@ class Costs:
     step: float = 0.0
     comm: float = 0.0  # latency from a send to the earliest matching receive
     predict: float = 0.0  # extra on a predicted forward (simulate.seconds_per_call marks which)
+    # Per stage, its forward and backward time over the costs above: uneven stages (the
+    # embedding and loss stages, a layout), whose pace is the slowest stage's. () = all 1.
+    stage_scale: Tuple[float, ...] = ()
 
     def at(self, stage: int, action: Action) -> float:
-        """What ``action`` costs at ``stage`` (a subclass may tell stages apart)."""
-        return self.of(action)
+        """What ``action`` costs at ``stage``: its compute scaled by the stage's own pace."""
+        cost = self.of(action)
+        if self.stage_scale and action.op in (Op.FORWARD, Op.BACKWARD):
+            cost *= self.stage_scale[stage]
+        return cost
+
+    def slowest(self) -> float:
+        """The slowest stage's scale (1 for even stages)."""
+        return max(self.stage_scale, default=1.0)
 
     def of(self, action: Action) -> float:
         if action.op is Op.FORWARD:

@@ -297,9 +297,11 @@ def report(runtime, moe=None) -> None:
             skipped = f", skipped {row['skipped_steps']}" if row["skipped_steps"] else ""
             warmed = f", start-up exchange {'+'.join(row['startup_exchange'])}" \
                 if row.get("startup_exchange") else ""
+            pace = f", forward {row['stage_forward_ms']:.2f} ms" \
+                if row.get("stage_forward_ms") else ""
             print(f"> PACI stage {row['stage']}: max drift {row['max']} (bound {row['bound']}), "
-                  f"histogram {row['histogram']}, local steps {row['steps']}{skipped}{warmed}",
-                  flush=True)
+                  f"histogram {row['histogram']}, local steps {row['steps']}{skipped}{warmed}"
+                  f"{pace}", flush=True)
         if rows[-1].get("tied"):
             stale = rows[-1]["tied"]
             same = "identical" if tied[0] == tied[-1] else "DIFFERENT"

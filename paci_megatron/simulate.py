@@ -43,7 +43,8 @@ class _PredictedCosts(Costs):
 
     def at(self, stage, action) -> float:
         stale = action.op is Op.FORWARD and (stage, action.mb) in self.forwards
-        return self.of(action) + (self.predict if stale else 0.0)
+        scale = self.stage_scale[stage] if self.stage_scale else 1.0
+        return super().at(stage, action) + (self.predict * scale if stale else 0.0)
 
 
 def _predicted_forwards(plan, calls: int, num_stages: int):
@@ -63,16 +64,16 @@ def seconds_per_call(kind: str, num_stages: int, accumulation: int, per_call: in
     after a local step costs ``costs.predict`` more."""
     plan = plan_stream(kind, num_stages, accumulation, per_call)
     calls = warmup + timed
-    lists = tuple(tuple(act for k in range(calls) for act in plan.call(k)[s])
-                  for s in range(num_stages))
+    lists = plan.lists(calls)
     if predicts and costs.predict:
         stale = _predicted_forwards(plan, calls, num_stages)
         costs = _PredictedCosts(**dataclasses.asdict(costs), forwards=stale)
     events = run_lockstep(Schedule(f"{kind}-stream", num_stages, accumulation,
                                    calls * per_call, lists), costs)
     worst = 0.0
+    warm = plan.lists(warmup)
     for s, evs in enumerate(events):
-        before = sum(len(plan.call(k)[s]) for k in range(warmup))
+        before = len(warm[s])
         start = evs[before - 1].end if before else 0.0
         worst = max(worst, evs[-1].end - start)
     return worst / timed
@@ -114,8 +115,7 @@ def check_plan(plan: StreamPlan, nccl: Optional[NcclModel] = None) -> None:
     whole = calls + -(-plan.num_stages // plan.per_call)
     simulate(build(plan.kind, plan.num_stages, plan.accumulation, whole * plan.per_call,
                    plan.tied))
-    lists = tuple(tuple(act for k in range(calls) for act in plan.call(k)[s])
-                  for s in range(plan.num_stages))
+    lists = plan.lists(calls)
     run_lockstep(Schedule(f"{plan.kind} plan (first {calls} calls)", plan.num_stages,
                           plan.accumulation, calls * plan.per_call, lists, plan.tied))
     if nccl is not None:

@@ -27,17 +27,28 @@ def mean_forwards(rows: List[dict], key: str) -> float:
     return mean_ratio([r.get(key) for r in rows], [r.get("forward_ms") for r in rows]) or 0.0
 
 
+def stage_scale(forwards: Sequence[Optional[float]]) -> Tuple[float, ...]:
+    """Each stage's forward time over the mean of the stages' (an uneven pipeline runs at its
+    slowest stage's pace); () where a stage timed none, so all count alike."""
+    if not forwards or not all(forwards):
+        return ()
+    mean = sum(forwards) / len(forwards)
+    return tuple(f / mean for f in forwards)
+
+
 def projected_throughput(rows: List[dict], per_predicted_forward: float = 0.0,
                          per_step: float = 0.0) -> Tuple[float, float]:
     """(with the method, plain PACI) throughput over 1F1B's, M = a, a backward costing two
     forwards: the method's cost, in forwards, on each forward it predicts and each local
     step. In 1F1B's tight steady state a stage's extra
-    work stalls its neighbours too, so the lists, not the slowest stage, say what it costs."""
+    work stalls its neighbours too, so the lists, not the slowest stage, say what it costs.
+    Each stage's forward and backward take its own measured forward time (``stage_scale``)."""
     steps = max(r["steps"] for r in rows)
     backwards = max(sum(r["histogram"].values()) for r in rows)
     a = max(1, round(backwards / steps)) if steps else 1
     P = len(rows)
-    unit = Costs(1.0, 2.0)  # a forward, a backward; no step cost but the method's
+    # a forward, a backward; no step cost but the method's; each stage at its own pace
+    unit = Costs(1.0, 2.0, stage_scale=stage_scale([r.get("stage_forward_ms") for r in rows]))
     costs = dataclasses.replace(unit, step=per_step, predict=per_predicted_forward)
     flush = seconds_per_call("flush", P, a, a, unit)
     plain = flush / seconds_per_call("paci", P, a, a, unit)

@@ -27,6 +27,27 @@ def test_simulated_stream_matches_closed_forms(P, M):
     assert paci == pytest.approx(M * 0.06)  # steady state: no bubble
 
 
+def test_uneven_stages_run_at_the_slowest_ones_pace():
+    """--stage-pace 1.5 1 2: the last stage's forward and backward take twice the others'.
+    PACI's update is then M x (tf + tb) x 2 (no bubble: the slowest stage never waits in the
+    steady state); 1F1B's is longer, and the interleaved model (even stages only) is left
+    out rather than reported on the wrong costs."""
+    P, M = 4, 8
+    bench = Bench(0.02, 0.04, 0.0, warmup=2, updates=3, tensor_side=8, timeout_s=10,
+                  pace=(1.5, 1.0, 2.0))
+    assert bench.stage_scale(P) == (1.5, 1.0, 1.0, 2.0)
+    assert bench.costs(P).stage_scale == (1.5, 1.0, 1.0, 2.0) and bench.costs(P).slowest() == 2
+    paci, _ = simulate_stream("paci", P, M, bench)
+    flush, _ = simulate_stream("flush", P, M, bench)
+    assert paci == pytest.approx(M * 0.06 * 2)
+    assert flush > paci and flush > (M + P - 1) * 0.06
+    even = Bench(0.02, 0.04, 0.0, warmup=2, updates=3, tensor_side=8, timeout_s=10)
+    assert even.stage_scale(P) == () and even.costs(P) == even.costs(P - 1)
+    from paci_megatron.tools.bench_throughput import interleaved_model
+    assert interleaved_model(P, M, 2, bench) is None and interleaved_model(P, M, 2, even)
+    assert parse_args(["--stage-pace", "1.5", "1", "2"]).stage_pace == [1.5, 1.0, 2.0]
+
+
 @pytest.fixture(scope="module")
 def executed(tmp_path_factory):
     """{(M, kind): [spans of stage 0, ..., stage P-1]} from one launch of P processes."""
@@ -112,3 +133,6 @@ def test_quick_flags_and_refusals(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--warmup", "0"])
     assert "--warmup must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--stage-pace", "1", "0", "1"])
+    assert "--stage-pace [1.0, 0.0, 1.0]: each pace must be > 0" in capsys.readouterr().err

@@ -190,3 +190,60 @@ def test_compare_times_the_stage_with_the_most_layers_and_skips_interleaving(cap
     assert names == ["1f1b", "paci", "paci-a1"]
     assert f"skipping interleaved: uneven stages ({FIRST})" in capsys.readouterr().out
     assert "interleaved" in [s.name for s in plan_runs(compare_args, ["--num-layers", "8"])]
+
+
+# --- each stage at its own pace: the cost lines' and compare's projection ------------------
+
+def test_an_uneven_pipeline_runs_at_its_slowest_stages_pace():
+    """P = 4, a = M = 8, forward 1, backward 2. PACI has no bubble, so a call takes the
+    slowest stage's work: 8 x 3 x 2 = 48 with stage 2 twice as slow, and a faster stage 0
+    changes nothing (24). 1F1B's flush crosses stage 0 once on its critical path (the first
+    forward, the last backward): at half pace it saves 1.5 of the even 33 = (M + P - 1) x 3."""
+    from paci_megatron.simulate import Costs, seconds_per_call
+
+    def per_call(kind, scale):
+        return seconds_per_call(kind, 4, 8, 8, Costs(1.0, 2.0, stage_scale=scale))
+
+    assert per_call("paci", ()) == per_call("paci", (1.0,) * 4) == 24.0
+    assert per_call("paci", (1.0, 1.0, 2.0, 1.0)) == 48.0
+    assert per_call("paci", (0.5, 1.0, 1.0, 1.0)) == 24.0
+    assert per_call("flush", ()) == 33.0
+    assert per_call("flush", (0.5, 1.0, 1.0, 1.0)) == 31.5
+    assert per_call("flush", (1.0, 1.0, 2.0, 1.0)) > 48.0
+
+
+def test_the_cost_lines_take_each_stages_measured_forward():
+    """The end-of-run projection (throughput.projected_throughput) reads each stage's own
+    forward time (``stage_forward_ms``, every stage times its forwards); a stage that timed
+    none leaves every stage at the mean pace."""
+    from paci_megatron.simulate import Costs, seconds_per_call
+    from paci_megatron.throughput import projected_throughput, stage_scale
+
+    def rows(forwards):
+        return [{"stage": s, "steps": 1, "histogram": {0: 8}, "stage_forward_ms": f}
+                for s, f in enumerate(forwards)]
+
+    assert stage_scale([10.0, 10.0, 20.0, 10.0]) == (0.8, 0.8, 1.6, 0.8)
+    assert stage_scale([10.0, None, 20.0, 10.0]) == ()
+    uneven = Costs(1.0, 2.0, stage_scale=(0.8, 0.8, 1.6, 0.8))
+    expect = seconds_per_call("flush", 4, 8, 8, uneven) / seconds_per_call("paci", 4, 8, 8,
+                                                                            uneven)
+    assert projected_throughput(rows([10.0, 10.0, 20.0, 10.0])) == (expect, expect)
+    assert expect < 33.0 / 24.0  # the bubble PACI saves is smaller than the even one
+    assert projected_throughput(rows([10.0, None, 20.0, 10.0])) == (33.0 / 24.0, 33.0 / 24.0)
+
+
+def test_compare_projects_each_stage_at_its_layers_share():
+    """compare times a stage of the largest stage's layers and runs each stage at its share:
+    1/4/1 at P = 3, M = a = 8 (forward 1, backward 2). PACI's iteration is the middle stage's
+    work, 24; 1F1B's adds to it only stage 0's first forward and last backward (0.25 + 0.5),
+    not the even ramp's 6: the projected gain is 24.75 / 24, not 30 / 24."""
+    from paci_megatron.simulate import Costs
+    from paci_megatron.tools import tta
+    from paci_megatron.tools.compare import stage_scale
+
+    assert stage_scale([2, 2, 2]) == () and stage_scale([1, 4, 1]) == (0.25, 1.0, 0.25)
+    uneven = tta.RunShape("paci", 3, 8, 8, stage_scale=stage_scale([1, 4, 1]))
+    assert tta.seconds_per_iteration(uneven, Costs(1.0, 2.0)) == (24.75, 24.0)
+    assert tta.seconds_per_iteration(tta.RunShape("paci", 3, 8, 8), Costs(1.0, 2.0)) == \
+        (30.0, 24.0)

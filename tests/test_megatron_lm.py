@@ -841,3 +841,20 @@ def test_checkpoints_reshard_from_megatron_lm_through_paci_and_back(checkout, tm
     rows = iterations(out)
     assert [r["iteration"] for r in rows] == ["7", "8"], out[-3000:]
     assert all(math.isfinite(float(r["loss"])) for r in rows)
+
+
+@pytest.mark.dist
+def test_uneven_stages_train_under_paci_through_the_drop_in(checkout, tmp_path):
+    """Issue 51: Megatron-LM's own first/last-stage flags at P = 3 (six layers split 1/4/1)
+    under PACI at a = 1: it trains, every stage's drift reaches its bound (2, 1, 0), and each
+    stage reports its own forward time, which the end-of-run projection takes as its pace."""
+    flags = _with(MODEL_FLAGS, num_layers=6, pipeline_model_parallel_size=3)
+    out = _ok(checkout, ["--pipeline-schedule", "paci", "--paci-accumulation-factor", "1",
+                         "--decoder-first-pipeline-num-layers", "1",
+                         "--decoder-last-pipeline-num-layers", "1"],
+              tmp_path, nproc=3, model_flags=flags)
+    rows = iterations(out)
+    assert [r["iteration"] for r in rows] == ["1", "2", "3", "4"], out[-3000:]
+    assert drift(out) == {s: dict(max=b, bound=b, steps=16) for s, b in enumerate((2, 1, 0))}
+    paces = re.findall(r"> PACI stage \d+: max drift .*, forward (\d+\.\d\d) ms", out)
+    assert len(paces) == 3 and all(float(ms) > 0 for ms in paces), out[-3000:]

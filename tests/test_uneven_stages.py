@@ -60,3 +60,12 @@ def test_the_layout_trains_as_the_first_and_last_flags(runs):
     assert layout["losses"] == flags["losses"]
     assert layout["weights_sha256"] == flags["weights_sha256"]
     assert len(set(flags["weights_sha256"])) == P
+
+
+def test_every_stage_times_its_own_forwards_for_the_cost_lines(runs):
+    """Each stage's mean forward (``stage_forward_ms``), which the end-of-run projection
+    takes as that stage's pace, reaches the summary and the stage's drift line."""
+    for run in runs.values():
+        paces = [row["stage_forward_ms"] for row in run["summary"]["drift"]]
+        assert len(paces) == P and all(ms > 0 for ms in paces)
+        assert len(re.findall(r"> stage \d+: max drift .*, forward \d+\.\d\d ms", run["out"])) == P

@@ -37,6 +37,7 @@ class MegatronHandlers:
         self.data.current = mb
         for feature in rt.features:
             feature.before_forward(rt.ctx, mb)
+        rt.forward_time.start()
         output, num_tokens = mcore_schedules.forward_step(
             self.forward_step_func, self.data, rt.model, rt.plan.accumulation,
             state.inputs.get(mb), self.store, rt.model_config,
@@ -45,6 +46,7 @@ class MegatronHandlers:
             is_first_microbatch=rt.fresh_weights or rt.ctx.weights_moved,
             current_microbatch=mb, is_last_stage=rt.is_last,
         )
+        rt.forward_time.stop()
         rt.ctx.weights_moved = False
         for feature in rt.features:
             feature.after_forward(rt.ctx, mb)

@@ -26,6 +26,7 @@ from megatron.core.utils import get_model_config, get_model_type
 from ..autograd_versions import keep_version_counters
 from ..executor import DriftStats, ReplayIterator, StageExecutor
 from ..features.base import StageContext, StageFeature, sub_optimizers
+from ..features.timer import SpanTimer
 from ..plan_policy import PlanPolicy
 from ..schedule import Op, StreamPlan, check_max_drift, check_per_call
 from ..shape import closes_group, drift_bound, tied_lag
@@ -107,6 +108,9 @@ class PaciRuntime:
         self.gathers_params = False  # --overlap-param-gather: see param_gather.py
         self.tied: Optional[TiedEmbedding] = None  # the tied-weight exchange of this stream
         self.tied_histogram: Counter = Counter()  # last stage: staleness -> micro-batches
+        # the stage's own forwards (not the features' work around them), for the cost lines:
+        # an uneven pipeline runs at its slowest stage's pace; the first holds one-off work
+        self.forward_time = SpanTimer(cuda=torch.cuda.is_available(), skip=1)
         self._stage_pg = None  # groups without the tied all-reduce (made once)
         self.grad_groups = self.pg
         self.meta: Optional[GradMeta] = None  # --fp16 / --calculate-per-token-loss
@@ -483,6 +487,9 @@ class PaciRuntime:
         row = {"stage": self.stage, "max": self.drift.max, "bound": self.drift.bound,
                "histogram": dict(sorted(self.drift.histogram.items())),
                "steps": self.drift.version, "skipped_steps": self.skipped_steps}
+        forward = self.forward_time.mean_ms()
+        if forward is not None:
+            row["stage_forward_ms"] = round(forward, 3)
         row.update(self.policy.summary(self.calls_done))
         if self._warmed is not None:
             row["startup_exchange"] = self._warmed

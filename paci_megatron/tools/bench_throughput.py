@@ -62,9 +62,9 @@ def simulate_stream(kind: str, num_stages: int, microbatches: int, bench: Bench,
     plan = plan_stream(kind, num_stages, microbatches, microbatches, tied)
     if nccl is None:
         sched = stream_schedule(kind, num_stages, microbatches, bench.calls, tied)
-        events = run_lockstep(sched, costs or bench.costs())
+        events = run_lockstep(sched, costs or bench.costs(num_stages))
     else:
-        events = run_stream_nccl(plan, bench.calls, costs or bench.costs(), nccl)
+        events = run_stream_nccl(plan, bench.calls, costs or bench.costs(num_stages), nccl)
     worst = 0.0
     for s, evs in enumerate(events):
         before = sum(len(plan.call(k)[s]) for k in range(bench.warmup))
@@ -94,9 +94,11 @@ def message_latencies(stages: List[List[Span]]) -> List[float]:
 
 
 def sleep_overshoot(stages: List[List[Span]], bench: Bench) -> float:
-    """Mean seconds a forward or backward sleep lasted beyond its cost."""
+    """Mean seconds a forward or backward sleep lasted beyond its cost (each stage's own)."""
     nominal = {"F": bench.forward_s, "B": bench.backward_s}
-    extra = [end - start - nominal[name[0]] for spans in stages
+    P = len(stages)
+    extra = [end - start - nominal[name[0]] * bench.scale_of(s, P)
+             for s, spans in enumerate(stages)
              for name, category, start, end in spans if category == "compute"]
     return sum(extra) / len(extra) if extra else 0.0
 
@@ -107,7 +109,9 @@ def overhead_costs(stages: List[List[Span]], bench: Bench) -> Costs:
     latencies = message_latencies(stages)
     comm = sum(latencies) / len(latencies) if latencies else 0.0
     over = sleep_overshoot(stages, bench)
-    return Costs(bench.forward_s + over, bench.backward_s + over, bench.step_s, comm)
+    scale = bench.stage_scale(len(stages))  # uneven: the overshoot scales with the pace here
+    return Costs(bench.forward_s + over, bench.backward_s + over, bench.step_s, comm,
+                 stage_scale=scale)
 
 
 # --- results -----------------------------------------------------------------------------
@@ -127,8 +131,8 @@ def interleaved_model(num_stages: int, microbatches: int, chunks: int,
                       bench: Bench) -> Optional[float]:
     """Interleaved 1F1B's time per update at these costs (the projection's own:
     ``tta.interleaved_seconds_per_iteration``); None where Megatron refuses it."""
-    if chunks < 2:
-        return None
+    if chunks < 2 or bench.stage_scale(num_stages):
+        return None  # the interleaved model takes even stages
     costs = Costs(bench.forward_s, bench.backward_s, bench.step_s)
     return tta.interleaved_seconds_per_iteration(num_stages, microbatches, costs, chunks)
 
@@ -140,7 +144,8 @@ def summarize(num_stages: int, microbatches: int, repeats: Dict[str, List[List[d
     runs = {kind: median_run(repeats[kind], bench) for kind in KINDS}
     row = {"P": P, "M": M, "a": M,
            "forward_ms": bench.forward_s * 1e3, "backward_ms": bench.backward_s * 1e3,
-           "step_ms": bench.step_s * 1e3, "warmup": bench.warmup, "updates": bench.updates,
+           "step_ms": bench.step_s * 1e3, "stage_scale": list(bench.stage_scale(P)),
+           "warmup": bench.warmup, "updates": bench.updates,
            "repeats": bench.repeats}
     for kind, suffix in (("flush", "1f1b"), ("paci", "paci")):
         spans = [st["spans"] for st in runs[kind]]
@@ -156,15 +161,19 @@ def summarize(num_stages: int, microbatches: int, repeats: Dict[str, List[List[d
             simulate_stream(kind, P, M, bench, nccl=NcclModel())[0]
         row[f"message_latency_ms_{suffix}"] = costs.comm * 1e3
         row[f"sleep_overshoot_ms_{suffix}"] = (costs.forward - bench.forward_s) * 1e3
-    # every stage steps once per update: M(tf+tb) + step for PACI, plus the bubble for 1F1B
+    # every stage steps once per update: M(tf+tb) + step for PACI at the slowest stage's
+    # pace, plus the bubble for 1F1B (even stages: (P-1)(tf+tb); uneven: as simulated)
     per_mb = bench.forward_s + bench.backward_s
-    ideal = M * per_mb + bench.step_s
+    slowest = bench.costs(P).slowest()
+    ideal = M * per_mb * slowest + bench.step_s
+    flush_ideal = row["simulated_sec_per_update_1f1b"] if bench.stage_scale(P) \
+        else (M + P - 1) * per_mb + bench.step_s
     row.update({
         "sec_per_update_interleaved_model": interleaved_model(P, M, chunks, bench),
         "virtual_chunks": chunks,
         "sec_per_update_ideal": ideal,
         "ratio": row["sec_per_update_1f1b"] / row["sec_per_update_paci"],
-        "ideal_ratio": ((M + P - 1) * per_mb + bench.step_s) / ideal,
+        "ideal_ratio": flush_ideal / ideal,
         "paci_over_ideal": row["sec_per_update_paci"] / ideal,
         "simulated_nccl_paci_over_ideal": row["simulated_nccl_sec_per_update_paci"] / ideal,
         "simulated_ratio": (row["simulated_sec_per_update_1f1b"]
@@ -278,6 +287,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--step-ms", type=float, default=0.0,
                         help="each stage's optimizer step (a realistic one costs about one to "
                              "three forwards: try --step-ms = --forward-ms and 3x that)")
+    parser.add_argument("--stage-pace", type=float, nargs=3, default=[1.0, 1.0, 1.0],
+                        metavar=("FIRST", "MIDDLE", "LAST"),
+                        help="uneven stages: the first, middle and last stages' forward and "
+                             "backward times over --forward-ms/--backward-ms")
     parser.add_argument("--warmup", type=int, default=2, help="untimed updates W (>= 1)")
     parser.add_argument("--updates", type=int, default=5, help="timed updates K")
     parser.add_argument("--repeats", type=int, default=3,
@@ -318,6 +331,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--updates and --repeats must be >= 1")
     if min(args.forward_ms, args.backward_ms, args.step_ms) < 0:
         parser.error("costs must be >= 0 ms")
+    if min(args.stage_pace) <= 0:
+        parser.error(f"--stage-pace {args.stage_pace}: each pace must be > 0")
     if args.forward_ms + args.backward_ms <= 0:
         parser.error("--forward-ms + --backward-ms must be > 0")
     if args.tied and args.tied_side < 1:
@@ -333,7 +348,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 def bench_from_args(args: argparse.Namespace) -> Bench:
     return Bench(args.forward_ms / 1e3, args.backward_ms / 1e3, args.step_ms / 1e3,
                  args.warmup, args.updates, args.tensor_side, args.timeout_s, args.repeats,
-                 args.tied_side if args.tied else 0)
+                 args.tied_side if args.tied else 0, tuple(args.stage_pace))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

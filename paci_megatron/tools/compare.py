@@ -138,7 +138,24 @@ def _shape(args, cfg) -> tta.RunShape:
         schedule=args.pipeline_schedule, num_stages=args.pipeline_model_parallel_size,
         microbatches=args.num_microbatches, accumulation=cfg.accumulation,
         virtual_chunks=args.virtual_pipeline_model_parallel_size or 1,
-        passes=tuple(m.COST for m in methods if m.COST is not None))
+        passes=tuple(m.COST for m in methods if m.COST is not None),
+        stage_scale=stage_scale(args.layers_per_stage))
+
+
+def uneven_note(shape: tta.RunShape) -> str:
+    if not shape.stage_scale:
+        return ""
+    shares = ", ".join(f"{x:.2f}" for x in shape.stage_scale)
+    return (f" Uneven stages: the costs are a stage of the largest stage's layers, and each "
+            f"stage runs at its layers' share of them ({shares}; the ends' embedding and loss "
+            "left out, which errs against PACI).")
+
+
+def stage_scale(layers: Sequence[int]) -> Tuple[float, ...]:
+    """Each stage's layers over the largest stage's; () for even stages."""
+    if len(set(layers)) <= 1:
+        return ()
+    return tuple(n / max(layers) for n in layers)
 
 
 def _method(args, cfg) -> Dict[str, object]:
@@ -462,7 +479,8 @@ def compare(args, train_flags: List[str]) -> int:
                 f"backward {args.project_backward_ms:.4g} ms, step {args.project_step_ms:.4g} ms "
                 f"per stage ({cost_source}), and each run's method's own cost (below), "
                 "steady state; interleaved from Megatron-Core's "
-                "order per rank, timed the same way.\n\n")
+                "order per rank, timed the same way." + uneven_note(shapes[base_name])
+                + "\n\n")
         f.write(methods + "\n\n")
         for p in plots:
             f.write(f"![{os.path.basename(p)}]({os.path.basename(p)})\n")

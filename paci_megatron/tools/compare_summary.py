@@ -130,8 +130,8 @@ def interleaved_hits(runs: Dict[str, List[Dict]], base_name: str, per_seed: List
                 (tta.reach(r["curve"], t) for r, t in zip(runs["interleaved"], per_seed))]
     base = runs[base_name]
     shape = base[0]["shape"]
-    if costs is None or shape.schedule != "1f1b":
-        return None
+    if costs is None or shape.schedule != "1f1b" or shape.stage_scale:
+        return None  # uneven stages take no virtual stages
     pace = tta.interleaved_seconds_per_iteration(shape.num_stages, shape.microbatches, costs)
     if pace is None:
         return None

@@ -37,9 +37,24 @@ class Bench:
     timeout_s: float
     repeats: int = 1
     tied_side: int = 0  # > 0: tied embeddings, a tied_side x tied_side float32 weight
+    # the first, middle and last stages' forward and backward over the costs above: uneven
+    # stages (the embedding's, the loss's), whose pipeline runs at the slowest one's pace
+    pace: Tuple[float, float, float] = (1.0, 1.0, 1.0)
 
-    def costs(self) -> Costs:
-        return Costs(self.forward_s, self.backward_s, self.step_s)
+    def stage_scale(self, num_stages: int) -> Tuple[float, ...]:
+        """Each stage's pace at P = num_stages; () when all are even."""
+        if self.pace == (1.0, 1.0, 1.0) or num_stages < 2:
+            return ()
+        first, middle, last = self.pace
+        return (first,) + (middle,) * (num_stages - 2) + (last,)
+
+    def costs(self, num_stages: int) -> Costs:
+        return Costs(self.forward_s, self.backward_s, self.step_s,
+                     stage_scale=self.stage_scale(num_stages))
+
+    def scale_of(self, stage: int, num_stages: int) -> float:
+        scale = self.stage_scale(num_stages)
+        return scale[stage] if scale else 1.0
 
     @property
     def calls(self) -> int:
@@ -71,16 +86,17 @@ class SleepStage:
     def __init__(self, stage: int, num_stages: int, bench: Bench, tied_group=None):
         self.stage, self.last = stage, num_stages - 1
         self.bench = bench
+        self.scale = bench.scale_of(stage, num_stages)  # this stage's pace
         self.tied_group = tied_group  # flush with tied embeddings: stage 0 and the last stage
         self.pending: list = []  # (Work, tensor): the tensor must outlive the send
         self.spans: List[Span] = []
         self.steps = self.weights_received = 0  # the last stage's drain takes the rest
 
     def forward(self, mb: int) -> None:
-        self._sleep(f"F{mb}", "compute", self.bench.forward_s)
+        self._sleep(f"F{mb}", "compute", self.bench.forward_s * self.scale)
 
     def backward(self, mb: int) -> None:
-        self._sleep(f"B{mb}", "compute", self.bench.backward_s)
+        self._sleep(f"B{mb}", "compute", self.bench.backward_s * self.scale)
 
     def reduce(self, mb: int) -> None:
         start = time.perf_counter()

@@ -63,6 +63,10 @@ class RunShape:
     accumulation: int
     virtual_chunks: int = 1
     passes: Tuple[PassCost, ...] = ()  # the run's methods' own passes (features.base.PassCost)
+    # uneven stages: each stage's layers over the largest stage's (the costs are timed on a
+    # stage of that size); the ends' embedding and loss are left out, which shortens 1F1B's
+    # ramp a little, so the projection errs against PACI. () = even stages
+    stage_scale: Tuple[float, ...] = ()
 
     @property
     def predicts(self) -> bool:
@@ -81,6 +85,8 @@ def seconds_per_iteration(shape: RunShape, costs: Costs) -> Tuple[float, float]:
     list with one step per iteration; interleaved 1F1B is Megatron-Core's own order per rank,
     timed by its dependencies (``interleaved.py``)."""
     P, M = shape.num_stages, shape.microbatches
+    if shape.stage_scale:
+        costs = dataclasses.replace(costs, stage_scale=shape.stage_scale)
     flush = seconds_per_call("flush", P, M, M, costs)
     if shape.schedule == "paci":
         return flush, seconds_per_call("paci", P, shape.accumulation, M, costs,
