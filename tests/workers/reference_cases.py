@@ -61,6 +61,10 @@ CASES: Dict[str, Dict] = {
     "p4_recompute": dict(pp=4, a=2, n=8, calls=3, dropout=0.1, recompute=True),
     "p4_eval_nodrain": dict(pp=4, a=2, calls=4, eval_after=(1, 3)),
     "p4_drain_eval": dict(pp=4, a=4, n=8, calls=4, drain_after=(2,), eval_after=(2,)),
+    # depth (issue 51): P = 16, a = 8, the default prediction, bf16 and tied embeddings as
+    # deep pipelines run them; drifts 2 (stages 0-6), 1 (7-14), 0; the tied lag ceil(16/8) = 2
+    "p16_a8_bf16_predict": dict(pp=16, a=8, n=16, calls=3, layers=16, bf16=True,
+                                predict=True, tied=True),
     # --paci-accumulation-factor auto, cycle policy: a of each call (a = N at the start)
     "p4_auto": dict(pp=4, calls=8, factors=(4, 4, 2, 2, 1, 1, 4, 4)),
     "p2_dp2": dict(pp=2, dp=2, dropout=0.1),
