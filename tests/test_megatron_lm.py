@@ -15,6 +15,7 @@ import argparse
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -858,3 +859,30 @@ def test_uneven_stages_train_under_paci_through_the_drop_in(checkout, tmp_path):
     assert drift(out) == {s: dict(max=b, bound=b, steps=16) for s, b in enumerate((2, 1, 0))}
     paces = re.findall(r"> PACI stage \d+: max drift .*, forward (\d+\.\d\d) ms", out)
     assert len(paces) == 3 and all(float(ms) > 0 for ms in paces), out[-3000:]
+
+
+@pytest.mark.dist
+@pytest.mark.slow  # 16 processes, 2 launches: guarded by the P = 16 emulator case and P <= 4
+def test_sixteen_stages_train_and_resume_through_the_drop_in(checkout, tmp_path):
+    """Issue 51: Megatron-LM's own pretrain_gpt.py at P = 16 (a layer a stage), a = 8 of 16
+    micro-batches, tied embeddings: drift at its bound on every stage, and a run resumed from
+    the checkpoint of iteration 2 goes on as the uninterrupted one."""
+    flags = [f for f in _with(MODEL_FLAGS, num_layers=16, pipeline_model_parallel_size=16,
+                              micro_batch_size=1, global_batch_size=16)
+             if f != "--untie-embeddings-and-output-weights"]
+    paci = ["--pipeline-schedule", "paci", "--paci-accumulation-factor", "8"]
+    for sub in ("straight", "resumed"):
+        (tmp_path / sub).mkdir()
+    straight = _ok(checkout, [*paci, "--save", str(tmp_path / "s"), "--save-interval", "2"],
+                   tmp_path / "straight", nproc=16, timeout=600, model_flags=flags)
+    (tmp_path / "b").mkdir()
+    shutil.copytree(tmp_path / "s" / "iter_0000002", tmp_path / "b" / "iter_0000002")
+    (tmp_path / "b" / "latest_checkpointed_iteration.txt").write_text("2")
+    resumed = _ok(checkout, [*paci, "--load", str(tmp_path / "b")], tmp_path / "resumed",
+                  nproc=16, timeout=600, model_flags=flags)
+    bounds = [2] * 7 + [1] * 8 + [0]
+    assert drift(straight) == {s: dict(max=b, bound=b, steps=8) for s, b in enumerate(bounds)}
+    assert TIED.search(straight).groups() == ("2", "2", "identical"), straight[-3000:]
+    whole = iterations(straight)
+    assert [r["iteration"] for r in iterations(resumed)] == ["3", "4"], resumed[-3000:]
+    assert_resumes_exactly(iterations(resumed), whole[2:])
