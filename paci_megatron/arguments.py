@@ -7,7 +7,8 @@ import argparse
 import os
 from typing import Optional, Sequence
 
-from .config import Layout, PaciConfig, add_paci_arguments, rampup_micro_batches, resolve
+from .config import (Layout, PaciConfig, add_paci_arguments, first_stage_shares_weight,
+                     rampup_micro_batches, resolve)
 from .flag import ConfigError, bounded_float, bounded_int, non_negative_float, path, positive, \
     probability
 from .layer_split import LayerSplit
@@ -67,6 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--hidden-dropout", type=probability("--hidden-dropout"), default=0.0)
     g.add_argument("--attention-dropout", type=probability("--attention-dropout"), default=0.0)
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"],
+                   default="learned_absolute")
+    g.add_argument("--mtp-num-layers", type=positive("--mtp-num-layers"), default=None,
+                   help="multi-token prediction: this many MTP layers on the last stage, each "
+                        "predicting one token further (needs --position-embedding-type rope "
+                        "or none, as in Megatron-LM)")
+    g.add_argument("--mtp-loss-scaling-factor",
+                   type=non_negative_float("--mtp-loss-scaling-factor"), default=0.1,
+                   help="the MTP losses' weight: their mean over the MTP layers times this")
     g = p.add_argument_group("mixture of experts (Megatron-LM's flags)")
     g.add_argument("--num-experts", type=positive("--num-experts"), default=None,
                    help="MoE layers with this many experts (default: a dense GPT)")
@@ -277,6 +287,7 @@ def validate(args: argparse.Namespace, world_size: int) -> PaciConfig:
     ramp = rampup_micro_batches(args.rampup_batch_size, args.global_batch_size, per_step)
     _validate_data_parallel_flags(args)
     _validate_moe(args, dp)
+    _validate_mtp(args)
     if args.fp16 and args.bf16:
         raise ConfigError("--fp16 and --bf16 are exclusive; pick one")
     check_loss_scales(args)
@@ -288,8 +299,9 @@ def validate(args: argparse.Namespace, world_size: int) -> PaciConfig:
     return resolve(args, Layout(
         pipeline_size=pp, microbatches=ramp[0] if ramp else num_mb,
         micro_batch_size=args.micro_batch_size, data_parallel_size=dp, virtual=vpp is not None,
-        ramp=tuple(ramp), tied=pp > 1 and not args.untie_embeddings_and_output_weights,
-        fp16=args.fp16))
+        ramp=tuple(ramp), tied=first_stage_shares_weight(
+            pp, args.untie_embeddings_and_output_weights, args.mtp_num_layers),
+        mtp=pp > 1 and args.mtp_num_layers is not None, fp16=args.fp16))
 
 
 def layer_split(args) -> LayerSplit:
@@ -343,6 +355,19 @@ def _validate_moe(args, dp: int) -> None:
     if args.moe_router_enable_expert_bias and args.moe_router_score_function != "sigmoid":
         raise ConfigError("--moe-router-enable-expert-bias needs --moe-router-score-function "
                           "sigmoid (as in Megatron-LM)")
+
+
+def _validate_mtp(args) -> None:
+    """Megatron-LM's MTP rules, and the layouts this entry point builds MTP with."""
+    if args.mtp_num_layers is None:
+        return
+    if args.position_embedding_type not in ("rope", "none"):
+        raise ConfigError(f"--mtp-num-layers needs --position-embedding-type rope or none (as "
+                          f"in Megatron-LM), not {args.position_embedding_type}")
+    if args.pipeline_model_parallel_layout is not None:
+        raise ConfigError("--mtp-num-layers with --pipeline-model-parallel-layout is not "
+                          "supported by pretrain_gpt_paci.py (the MTP layers go on the last "
+                          "stage); split with --decoder-first/last-pipeline-num-layers instead")
 
 
 def _validate_data_parallel_flags(args) -> None:

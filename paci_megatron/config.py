@@ -118,8 +118,18 @@ class Layout:
     data_parallel_size: int = 1
     virtual: bool = False
     ramp: Tuple[int, ...] = ()  # every M --rampup-batch-size goes through
-    tied: bool = False  # input and output embeddings tied across stages (P > 1)
+    # stage 0 shares a weight with the last stage (first_stage_shares_weight): the tied actions
+    tied: bool = False
+    mtp: bool = False  # ... because of --mtp-num-layers (P > 1)
     fp16: bool = False
+
+
+def first_stage_shares_weight(pipeline_size: int, untied: bool, mtp_num_layers) -> bool:
+    """At P > 1, does stage 0's word embedding have a copy on the last stage, kept equal by
+    the tied actions (SG/RG, SW/RW)? With tied embeddings (the output layer), and with
+    multi-token prediction (its layers on the last stage read their own copy). The flags'
+    side of ``mcore.tied.shares_first_and_last``."""
+    return pipeline_size > 1 and (not untied or bool(mtp_num_layers))
 
 
 @dataclass(frozen=True)
@@ -251,7 +261,8 @@ def _check_fp16_scales(args, layout: Layout) -> None:
 
 def _adapt_settings(args, auto: bool, layout: Layout) -> dict:
     """--paci-accumulation-factor auto: its flags' defaults; they need auto, and auto needs
-    untied embeddings and a fixed number of micro-batches."""
+    no weight shared by the first and last stage (untied embeddings, no MTP) and a fixed
+    number of micro-batches."""
     for dest in ADAPT_DEFAULTS:
         if getattr(args, dest, None) is not None and not auto:
             flag = "--" + dest.replace("_", "-")
@@ -259,6 +270,10 @@ def _adapt_settings(args, auto: bool, layout: Layout) -> dict:
                               "drop it or add --paci-accumulation-factor auto")
     if not auto:
         return {}
+    if layout.mtp:  # the embedding copy's lag ceil(P/a) is set for a fixed a
+        raise ConfigError("--paci-accumulation-factor auto does not support --mtp-num-layers at "
+                          "P > 1 yet (the last stage's copy of the embedding trails stage 0's "
+                          "by a lag set for a fixed a); give a number or drop --mtp-num-layers")
     if layout.tied:  # the tied copy's lag ceil(P/a) is set for a fixed a
         raise ConfigError("--paci-accumulation-factor auto does not support tied embeddings "
                           "yet (the tied weight's lag is set for a fixed a); add "

@@ -99,16 +99,17 @@ def log_iteration(job, step: Dict, elapsed_ms: float) -> None:
         drift_text += f" | PACI a {factor}"
     eta_s = int(elapsed_ms / 1000.0 * (job.train_iters - job.iteration))
     drift_text += f" | ETA {eta_s // 3600:d}:{eta_s // 60 % 60:02d}:{eta_s % 60:02d}"
-    moe = {name: float(value) for name, value in step.get("moe", {}).items()}  # last stage's
-    moe_text = "".join(f" | {name}: {value:.6e}" for name, value in moe.items())
+    # the last stage's MoE metrics and MTP losses
+    aux = {name: float(value) for name, value in step.get("aux", {}).items()}
+    aux_text = "".join(f" | {name}: {value:.6e}" for name, value in aux.items())
     log(f" iteration {job.iteration:8d}/{job.train_iters:8d} | consumed samples "
         f"{job.consumed:10d} | elapsed time per iteration (ms): {elapsed_ms:.1f} | "
         f"tokens/s: {tokens_per_s:.0f} | learning rate: {lr:.4e} | lm loss: "
-        f"{step['loss']:.6e}{moe_text} | grad norm: {gn}{drift_text}")
+        f"{step['loss']:.6e}{aux_text} | grad norm: {gn}{drift_text}")
     write_metrics(job, {"iteration": job.iteration, "consumed_samples": job.consumed,
                          "wall_s": time.perf_counter() - job.started,
                          "lm_loss": step["loss"], "lr": lr, "elapsed_ms": elapsed_ms,
-                         "tokens_per_sec": tokens_per_s, "grad_norm": step["grad_norm"], **moe,
+                         "tokens_per_sec": tokens_per_s, "grad_norm": step["grad_norm"], **aux,
                          "max_drift": drift if drift is not None else [0] * job.info["pp_size"],
                          "skipped_steps": skipped, **({} if factor is None else
                                                       {"accumulation_factor": factor}),

@@ -37,10 +37,11 @@ import types
 from typing import List, Optional, Sequence
 
 from .autograd_versions import ZERO_CENTERED_GAMMA
-from .config import (Layout, PaciConfig, add_paci_arguments, rampup_micro_batches,
-                     refuse_paci_flags, resolve)
+from .config import (Layout, PaciConfig, add_paci_arguments, first_stage_shares_weight,
+                     rampup_micro_batches, refuse_paci_flags, resolve)
 from .features import method_cost_lines
 from .flag import ConfigError
+from .layer_split import expand_layout
 from .quiet import exit_after_local_rank0, fallback_notice
 from .restart import restart_count
 
@@ -112,7 +113,9 @@ def megatron_lm_layout(args, num_microbatches: Optional[int] = None) -> Layout:
     return Layout(pipeline_size=pp, microbatches=microbatches,
                   micro_batch_size=args.micro_batch_size, data_parallel_size=dp,
                   virtual=virtual, ramp=tuple(ramp),
-                  tied=pp > 1 and not args.untie_embeddings_and_output_weights,
+                  tied=first_stage_shares_weight(pp, args.untie_embeddings_and_output_weights,
+                                                 getattr(args, "mtp_num_layers", None)),
+                  mtp=pp > 1 and bool(getattr(args, "mtp_num_layers", None)),
                   fp16=bool(getattr(args, "fp16", False)))
 
 
@@ -185,17 +188,26 @@ def refuse_stage_crossing_collectives(args: argparse.Namespace) -> None:
                          "norm over the model-parallel group (all stages) at every iteration; "
                          "drop it")
     if pp > 1 and getattr(args, "mtp_num_layers", None):
-        raise ValueError("--pipeline-schedule paci does not support --mtp-num-layers with "
-                         "pipeline parallelism yet: the MTP layers keep a copy of the embedding "
-                         "on the last stage, whose gradient Megatron all-reduces with the first "
-                         "stage's at every step, and PACI's point-to-point tied exchange does "
-                         "not carry that copy yet; drop --mtp-num-layers or use "
-                         "--pipeline-schedule 1f1b")
+        refuse_mtp_off_the_last_stage(getattr(args, "pipeline_model_parallel_layout", None))
     if getattr(args, "step_batch_size_schedule", None):  # Megatron-LM 0.19
         raise ValueError("--pipeline-schedule paci does not support --step-batch-size-schedule "
                          "yet: the accumulation factor is checked against every number of "
                          "micro-batches before training; drop it")
     refuse_moe_options(args)
+
+
+def refuse_mtp_off_the_last_stage(layout) -> None:
+    """MTP at P > 1 rides on the tied exchange between stage 0 and the last stage (its copy of
+    the embedding), so every MTP layer ('m' of a layout) must sit on the last stage, where
+    Megatron puts them without a layout."""
+    if not isinstance(layout, str):  # None, or a layout Megatron-LM already parsed
+        return
+    stages = expand_layout(layout).split("|")
+    if "m" in "".join(stages[:-1]):
+        raise ConfigError(f"--pipeline-schedule paci: --pipeline-model-parallel-layout "
+                          f"{layout!r} puts MTP layers ('m') before the last stage; PACI "
+                          "carries their copy of the embedding only between stage 0 and the "
+                          "last stage (--mtp-num-layers): move every 'm' into the last stage")
 
 
 def refuse_moe_options(args: argparse.Namespace) -> None:
@@ -281,6 +293,13 @@ def make_moe_metrics(model, runtime):
     return StageMoeMetrics(model, lambda: runtime.forwards_in_call)
 
 
+def mtp_report(original, *args, **kwargs):
+    """Megatron-LM's MTP loss report, within the stage (``mcore.mtp_metrics``)."""
+    from .mcore.mtp_metrics import report as stage_local
+
+    return stage_local(original, *args, **kwargs)
+
+
 def report(runtime, moe=None) -> None:
     """Every rank: gather the drift statistics (and MoE metrics) over the pipeline; the last
     stage prints them."""
@@ -341,7 +360,8 @@ def install(argv: Sequence[str], script: str) -> dict:
     if ours.pipeline_schedule == "paci":
         hooks = megatron_lm.PaciTrainingHooks(make_runtime, report=report,
                                               drain_before_eval=ours.paci_drain_before_eval,
-                                              make_moe_metrics=make_moe_metrics)
+                                              make_moe_metrics=make_moe_metrics,
+                                              mtp_report=mtp_report)
         hooks.log = _log_last_stage(hooks)
         installed["hooks"] += hooks.install()
     return installed

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .mcore import build, checkpoint, moe_metrics
+from .mcore import build, checkpoint, moe_metrics, mtp_metrics
 from .mcore import runtime as mcore_runtime
 from .mcore.tied import tied_sha256
 from .job_log import (final_record, log, log_final_drift, log_iteration, log_start, mean_loss,
@@ -27,7 +27,7 @@ from .job_log import (final_record, log, log_final_drift, log_iteration, log_sta
 from .memory import LiveTensorMeter, SavedTensorMeter
 from .quiet import exit_after_local_rank0, is_local_rank0, is_rank0
 from .arguments import layer_split
-from .config import PaciConfig
+from .config import PaciConfig, first_stage_shares_weight
 from .registry import SCHEDULES_BY_NAME
 from .restart import (SaveClock, describe_mismatch, describe_reshard, describe_switch,
                       restart_count, run_fingerprint)
@@ -81,6 +81,9 @@ def _gpt_spec(args):
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
         transformer_impl=args.transformer_impl, moe=_moe_spec(args),
+        position_embedding_type=args.position_embedding_type,
+        mtp_num_layers=args.mtp_num_layers,
+        mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
         layer_split=layer_split(args))
 
 
@@ -326,8 +329,16 @@ def train_step(job: Job) -> Dict:
         grad_norm = job.runtime.steps[-1].grad_norm if job.runtime.steps else None
     job.iteration += 1
     job.consumed += samples
-    moe = _moe_metrics(job, num_mb)
-    return {"loss": mean_loss(losses), "grad_norm": grad_norm, "samples": samples, "moe": moe}
+    aux = {**_moe_metrics(job, num_mb), **_mtp_losses(job, num_mb)}
+    return {"loss": mean_loss(losses), "grad_norm": grad_norm, "samples": samples, "aux": aux}
+
+
+def _mtp_losses(job: Job, num_mb: int) -> Dict:
+    """This iteration's MTP losses on the stage that holds the MTP layers (the last), as
+    Megatron-LM logs them ("mtp_1 loss", ...), reported within the stage (``mtp_metrics``)."""
+    if job.spec.mtp_num_layers is None:
+        return {}
+    return mtp_metrics.take(1.0 / num_mb, job.iteration)
 
 
 def _moe_metrics(job: Job, num_mb: int) -> Dict:
@@ -473,8 +484,9 @@ def finish(job: Job) -> Dict:
     # one digest per pipeline stage (this rank's pipeline group: tensor and data rank fixed)
     summary["weights_sha256"] = mcore_runtime.gather_across_pipeline(
         checkpoint.weights_sha256(job.model))
-    if job.model[0] is not None and not args.untie_embeddings_and_output_weights:
-        # tied: stage 0's and the last stage's copies (and master copies), after the drain
+    if job.model[0] is not None and first_stage_shares_weight(
+            job.info["pp_size"], args.untie_embeddings_and_output_weights, args.mtp_num_layers):
+        # tied or MTP: stage 0's and the last stage's copies (and master copies), after the drain
         summary["tied_sha256"] = mcore_runtime.gather_across_pipeline(
             tied_sha256(job.model[0], job.optimizer))
     if args.save:

@@ -328,6 +328,12 @@ def patch_moe_cuda():
     return changed
 
 
+def patch_mtp_cuda():
+    """transformer/multi_token_prediction.py: the MTP loss tracker on
+    torch.cuda.current_device()."""
+    return redirect_torch("megatron.core.transformer.multi_token_prediction")
+
+
 # Registry, in application order: name -> function. Each returns True if it changed something.
 CPU_PATCHES: Dict[str, Callable[[], bool]] = {
     "p2p_communication": patch_p2p_communication,
@@ -347,6 +353,7 @@ CPU_PATCHES: Dict[str, Callable[[], bool]] = {
     "adam_step_on_load": patch_adam_step_on_load,
     "low_precision_gemm": patch_low_precision_gemm,
     "moe_cuda": patch_moe_cuda,
+    "mtp_cuda": patch_mtp_cuda,
 }
 
 _APPLIED: List[str] = []

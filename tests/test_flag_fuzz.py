@@ -17,6 +17,7 @@ ACCEPTED = {
     ("--lr-warmup-iters", "0"), ("--adam-beta1", "0"), ("--adam-beta2", "0"),
     ("--paci-lookahead", "0"), ("--moe-aux-loss-coeff", "0"), ("--moe-z-loss-coeff", "0"),
     ("--moe-router-bias-update-rate", "0"),  # a bias that stays put
+    ("--mtp-loss-scaling-factor", "0"),  # MTP layers trained for nothing: Megatron-LM takes it
     ("--save", "abc"), ("--save", "0"), ("--save", "-1"), ("--save", "1e400"),
     # a missing --load directory starts from scratch (Megatron-LM's --save DIR --load DIR)
     ("--load", "abc"), ("--load", "0"), ("--load", "-1"), ("--load", "1e400"),

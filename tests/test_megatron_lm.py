@@ -556,6 +556,35 @@ def test_a_moe_gpt_trains_under_paci_through_the_drop_in(checkout, tmp_path):
     assert "load_balancing_loss" in stock
 
 
+MTP_FLAGS = ["--mtp-num-layers", "1", "--position-embedding-type", "rope"]
+MTP_LOSS = re.compile(r"iteration\s+\d+/.*?mtp_1 loss: (\S+) \|")
+
+
+@pytest.mark.dist
+def test_mtp_trains_under_paci_through_the_drop_in(checkout, tmp_path):
+    """--mtp-num-layers 1 at P = 2, untied, a = 4 of 4 micro-batches: the MTP layer and its copy
+    of the embedding on the last stage, kept by the tied exchange (stock all-reduces the copy's
+    gradient with stage 0's at every step). PACI trains with drift at its bound; the copy
+    trails stage 0's by ceil(P/a) = 1 step and equals it after the final drain; the MTP loss
+    is in every iteration's log line (the last stage's, reported within it), and the first
+    iteration's, before any step, is stock 1F1B's."""
+    for sub in ("paci", "stock"):
+        (tmp_path / sub).mkdir()
+    flags = MODEL_FLAGS + MTP_FLAGS
+    paci = _ok(checkout, ["--pipeline-schedule", "paci"], tmp_path / "paci", model_flags=flags)
+    stock = _ok(checkout, ["--pipeline-schedule", "1f1b"], tmp_path / "stock", model_flags=flags)
+    rows = iterations(paci)
+    assert [r["iteration"] for r in rows] == ["1", "2", "3", "4"], paci[-3000:]
+    assert float(rows[-1]["loss"]) < float(rows[0]["loss"])
+    assert drift(paci) == {0: dict(max=1, bound=1, steps=4), 1: dict(max=0, bound=0, steps=4)}
+    assert TIED.search(paci).groups() == ("1", "1", "identical"), paci[-3000:]
+    logged = {name: MTP_LOSS.findall(out) for name, out in (("paci", paci), ("stock", stock))}
+    assert len(logged["paci"]) == len(logged["stock"]) == 4, paci[-3000:]
+    assert all(0.0 < float(v) < 10.0 for v in logged["paci"])
+    assert logged["paci"][0] == logged["stock"][0]
+    assert iterations(paci)[0]["loss"] == iterations(stock)[0]["loss"]
+
+
 @pytest.mark.dist
 def test_fp16_with_per_token_loss_trains_through_the_drop_in(checkout, tmp_path):
     """Megatron-LM's own fp16 optimizer and per-token loss under PACI at P=2: each stage's

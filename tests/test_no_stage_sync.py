@@ -101,7 +101,7 @@ def test_log_shows_own_stage_and_the_table_comes_at_the_end(counted_run):
     (dict(timing_log_level=2), "--timing-log-level 2"),
     (dict(exit_duration_in_mins=30), "--exit-duration-in-mins"),
     (dict(exit_signal_handler=True), "--exit-signal-handler"),
-    (dict(mtp_num_layers=1), "--mtp-num-layers"),
+    (dict(mtp_num_layers=1, pipeline_model_parallel_layout="Etm|tL"), "before the last stage"),
     (dict(num_experts=8, flextron=True), "--flextron"),
     (dict(log_params_norm=True), "--log-params-norm"),
 ])
@@ -127,8 +127,8 @@ def test_runtime_refuses_collectives_inside_the_local_step():
     check()
     check(timers=types.SimpleNamespace(_log_level=0))
     check(timers=types.SimpleNamespace(_log_level=1), barrier_with_L1_time=False)
-    for config, message in ((dict(mtp_num_layers=1), "multi-token prediction"),
-                            (dict(has_cond_embedder=True), "conditional embedders"),
+    check(mtp_num_layers=1)  # MTP is carried by the tied exchange (placement: test_mtp.py)
+    for config, message in ((dict(has_cond_embedder=True), "conditional embedders"),
                             (dict(timers=types.SimpleNamespace(_log_level=1)),
                              "--timing-log-level 0")):
         with pytest.raises(ValueError, match=message):

@@ -26,14 +26,16 @@ PP_ONLY = ["p2_a4", "p2_a2", "p2_bf16", "p2_distopt", "p2_drain_eval",
            "p4_a4", "p4_a1", "p4_bf16", "p4_recompute", "p4_eval_nodrain", "p4_drain_eval",
            "p4_auto", "p2_tied", "p2_tied_bf16", "p4_tied", "p4_bf16_predict", "p4_tied_bf16",
            "p4_tied_bf16_predict", "p4_bf16_predict_overlap", "p4_tied_bf16_lookahead",
-           "p2_moe", "p4_moe_bf16_predict", "p4_moe_bias", "p4_uneven", "p2_layout_tied"]
+           "p2_moe", "p4_moe_bf16_predict", "p4_moe_bias", "p4_uneven", "p2_layout_tied",
+           "p2_mtp_bf16", "p2_mtp_bf16_predict", "p4_mtp_tied"]
 # 2 emulator processes, 4 runtime ones
 PARALLEL = ["p2_dp2", "p2_dp2_distopt", "p2_tp2", "p2_dp2_tied", "p2_dp2_tied_bf16_predict",
             "p2_dp2_distopt_bf16", "p2_dp2_distopt_bf16_predict", "p2_tp2_bf16_predict",
             "p2_dp2_distopt_bf16_lookahead", "p2_dp2_distopt_bf16_nadam", "p2_dp2_ep2_moe",
             "p2_dp2_ep2_moe_allgather", "p2_dp2_ep2_moe_bias_distopt"]
 # a loss scaler per stage; per-token loss
-PRECISION = ["p2_fp16", "p2_per_token", "p2_fp16_predict", "p2_tied_fp16", "p2_fp16_moe"]
+PRECISION = ["p2_fp16", "p2_per_token", "p2_fp16_predict", "p2_tied_fp16", "p2_fp16_moe",
+             "p2_fp16_mtp"]
 # tied embeddings with Megatron's realistic flags at DP=2: P=2 (4 runtime processes, launched
 # apart) and P=4 (8 runtime processes, about a minute on 2 cores); 2 emulator processes
 TIED_DP2 = ["p2_dp2_tied_distopt", "p2_dp2_tied_overlap", "p2_dp2_tied_distopt_bf16_overlap",
@@ -110,10 +112,27 @@ def test_uneven_stages_hold_their_own_layers_in_both_modes(case, layers, results
         assert [rows[f"pp{s}tp0dp0"]["layers"] for s in range(len(rows))] == layers, mode
 
 
+@pytest.mark.parametrize("case,tied", [("p2_mtp_bf16", False), ("p4_mtp_tied", True),
+                                       ("p2_fp16_mtp", False), ("p2_mtp_bf16_predict", False)])
+def test_mtp_layers_and_the_embedding_copy_sit_on_the_last_stage(case, tied, results):
+    """--mtp-num-layers at P > 1: the last stage builds the MTP layer and a copy of the word
+    embedding, which is the weight it shares with stage 0 (tied or not): the tied exchange
+    keeps it (its staleness and the copies after the drain: the test below); middle stages
+    share nothing."""
+    rows = results(case, "runtime")
+    pp = rows["pp0tp0dp0"]["config"]["pp"]
+    holds = [rows[f"pp{s}tp0dp0"]["holds"] for s in range(pp)]
+    assert holds[0] == dict(mtp_layers=0, shares_embedding=True, shares=True)
+    assert holds[-1] == dict(mtp_layers=1, shares_embedding=True, shares=True)
+    assert holds[1:-1] == [dict(mtp_layers=0, shares_embedding=False, shares=False)] * (pp - 2)
+    assert rows["pp0tp0dp0"]["config"]["tied"] is tied
+
+
 @pytest.mark.parametrize("case,lag", [
     ("p2_tied", 2), ("p2_tied_bf16", 1), ("p4_tied", 2), ("p2_layout_tied", 1),
     ("p2_dp2_tied_distopt", 1), ("p2_dp2_tied_overlap", 1), ("p2_dp2_tied_distopt_bf16_overlap", 2),
-    ("p2_tied_fp16", 1), ("p2_dp2_tied_fp16_distopt_overlap", 1)])
+    ("p2_tied_fp16", 1), ("p2_dp2_tied_fp16_distopt_overlap", 1),
+    ("p2_mtp_bf16", 1), ("p4_mtp_tied", 2), ("p2_fp16_mtp", 1)])
 def test_tied_weight_staleness_reaches_its_bound_and_no_more(case, lag, results):
     """The last stage's copy of the tied weight trails stage 0's by lag = ceil(P/a) steps:
     every micro-batch of group g used owner version max(0, g - lag) (so group g < lag is less
@@ -176,7 +195,7 @@ def test_the_cases_exercise_drift_drain_and_distinct_weights(results):
     assert results("p2_drain_eval", "runtime")["pp0tp0dp0"]["histogram"] == {"0": 15, "1": 9}
 
 
-@pytest.mark.parametrize("case", ["p2_fp16", "p2_tied_fp16", "p2_fp16_moe"])
+@pytest.mark.parametrize("case", ["p2_fp16", "p2_tied_fp16", "p2_fp16_moe", "p2_fp16_mtp"])
 def test_fp16_case_has_stages_skipping_on_their_own(case, results):
     """The fp16 cases compare something: stage 0 and the last stage skip overflowing steps,
     at different steps (so their scales differ and received gradients are rescaled; tied: the
@@ -234,7 +253,7 @@ PREDICTED = {"p4_bf16_predict": "p4_bf16", "p4_tied_bf16_predict": "p4_tied_bf16
              "p4_bf16_predict_overlap": "p4_bf16",
              "p2_dp2_tied_bf16_predict": None, "p2_fp16_predict": "p2_fp16",
              "p2_dp2_distopt_bf16_predict": "p2_dp2_distopt_bf16", "p2_tp2_bf16_predict": None,
-             "p4_moe_bf16_predict": None}
+             "p4_moe_bf16_predict": None, "p2_mtp_bf16_predict": "p2_mtp_bf16"}
 
 
 @pytest.mark.parametrize("case", sorted(PREDICTED))

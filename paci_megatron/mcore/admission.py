@@ -140,18 +140,15 @@ def unwrap(model):
 def check_no_cross_stage_grad_reduction(model, pg: ProcessGroupCollection) -> None:
     """finalize_model_grads crosses stages for tied word embeddings and multi-token prediction
     (first <-> last stage), position embeddings split over stages, conditional embedders (all
-    stages) and barriered level-1 timers (all ranks); PACI replaces the first (``tied.py``)
-    and refuses the others instead of stalling."""
+    stages) and barriered level-1 timers (all ranks); PACI replaces the first two
+    (``tied.py``; MTP's layers on the last stage only) and refuses the others instead of
+    stalling."""
     if pg.pp.size() == 1:
         return
     if pg.pos_embd is not None and pg.pos_embd.size() > 1:
         raise ValueError("PACI does not support position embeddings shared across stages")
     config = get_model_config(model)
-    if getattr(config, "mtp_num_layers", None):
-        raise ValueError(
-            "PACI does not support multi-token prediction across pipeline stages: "
-            "finalize_model_grads all-reduces the embedding between the first and last stage "
-            "at every step; drop --mtp-num-layers or use one pipeline stage")
+    check_mtp_on_the_last_stage(model, config)
     if getattr(config, "has_cond_embedder", False):
         raise ValueError(
             "PACI does not support conditional embedders replicated on every stage: "
@@ -164,6 +161,20 @@ def check_no_cross_stage_grad_reduction(model, pg: ProcessGroupCollection) -> No
             "PACI cannot run level-1 timers with barriers: finalize_model_grads and the "
             "optimizer would barrier all ranks inside each stage's local step; use "
             "--timing-log-level 0")
+
+
+def check_mtp_on_the_last_stage(model, config) -> None:
+    """The tied actions pair stage 0 with the last stage, so the MTP layers (and the copy of
+    the embedding they read) must sit on the last stage, as Megatron puts them without a
+    --pipeline-model-parallel-layout."""
+    if not getattr(config, "mtp_num_layers", None):
+        return
+    inner = unwrap(model)
+    if bool(getattr(inner, "mtp_process", False)) != bool(getattr(inner, "post_process", False)):
+        raise ValueError(
+            "PACI supports multi-token prediction at P > 1 only with every MTP layer on the "
+            "last stage (the tied exchange pairs stage 0 with the last stage); move the 'm' "
+            "of --pipeline-model-parallel-layout into the last stage or drop the layout")
 
 
 def check_paci_model(model, pg: ProcessGroupCollection) -> None:

@@ -84,6 +84,8 @@ class GPTSpec:
     transformer_impl: str = "local"
     make_vocab_size_divisible_by: int = 1  # Megatron-LM's flag (its default is 128)
     moe: Optional["MoESpec"] = None  # --num-experts: MoE layers (None: a dense GPT)
+    mtp_num_layers: Optional[int] = None  # --mtp-num-layers: MTP layers on the last stage
+    mtp_loss_scaling_factor: float = 0.1  # --mtp-loss-scaling-factor (Megatron-LM's default)
     # the uneven-stage flags (--decoder-first-pipeline-num-layers, ..., the layout)
     layer_split: LayerSplit = LayerSplit()
 
@@ -169,6 +171,8 @@ def make_transformer_config(spec: GPTSpec) -> TransformerConfig:
         # like Megatron-LM's defaults
         deallocate_pipeline_outputs=True,
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        mtp_num_layers=spec.mtp_num_layers,
+        mtp_loss_scaling_factor=spec.mtp_loss_scaling_factor,
         **(spec.moe.config_fields() if spec.moe is not None else {}),
         **spec.layer_split.config_fields(),
     )
@@ -188,6 +192,22 @@ def _layer_spec(spec: GPTSpec, config: TransformerConfig, vp_stage: Optional[int
         return get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                           normalization=spec.normalization, vp_stage=vp_stage)
     return get_gpt_layer_local_spec(normalization=spec.normalization)
+
+
+def _mtp_block_spec(spec: GPTSpec, config: TransformerConfig, layer_spec,
+                    vp_stage: Optional[int]):
+    """The MTP block as Megatron-LM's gpt_builders makes it: its layers take the spec of the
+    decoder's last layer (a block spec with no layer on this stage: the plain layer's); None
+    without --mtp-num-layers and on every stage but the one that holds the MTP layers."""
+    if spec.mtp_num_layers is None:
+        return None
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    if getattr(layer_spec, "layer_specs", None) == []:
+        layer_spec = get_gpt_layer_local_spec(normalization=spec.normalization)
+    return get_gpt_mtp_block_spec(
+        config, layer_spec, use_transformer_engine=spec.transformer_impl == "transformer_engine",
+        vp_stage=vp_stage)
 
 
 def build_gpt_model(
@@ -220,9 +240,10 @@ def build_gpt_model(
         stage = vp_stage if vpp else None
         pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+        layer_spec = _layer_spec(spec, config, stage)
         model = GPTModel(
             config=config,
-            transformer_layer_spec=_layer_spec(spec, config, stage),
+            transformer_layer_spec=layer_spec,
             vocab_size=vocab,
             max_sequence_length=spec.max_position_embeddings or spec.seq_length,
             pre_process=pre,
@@ -230,6 +251,7 @@ def build_gpt_model(
             parallel_output=True,
             share_embeddings_and_output_weights=not spec.untie_embeddings,
             position_embedding_type=spec.position_embedding_type,
+            mtp_block_spec=_mtp_block_spec(spec, config, layer_spec, stage),
             vp_stage=stage,
         )
         for param in model.parameters():
@@ -305,6 +327,9 @@ def _layout_invariant_init(model: GPTModel, config: TransformerConfig, seed: int
             layer_numbers[str(i)] = layer.layer_number - 1  # global, 0-based
     tp = parallel_state.get_tensor_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    # a name question, not "does stage 0 share a weight with the last" (tied.shares_first_and_
+    # last): a tied output layer draws the embedding's values; MTP's copy of the embedding on
+    # the last stage has the embedding's own name, so it draws them too
     tied = model.share_embeddings_and_output_weights
 
     for name, param in model.named_parameters():
@@ -551,6 +576,7 @@ def gpt_forward_step(data_iterator, model):
         attention_mask = batch.get("attention_mask")
     else:
         tokens = labels = loss_mask = position_ids = attention_mask = None
-    output = model(tokens, position_ids, attention_mask, labels=labels)
+    # the loss mask reaches the model as in Megatron-LM's pretrain_gpt.py: MTP's losses use it
+    output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     per_token = get_model_config(model).calculate_per_token_loss
     return output, partial(_lm_loss_per_token if per_token else _lm_loss, loss_mask)

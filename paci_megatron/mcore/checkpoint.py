@@ -68,7 +68,10 @@ def _model_keys(model: List[torch.nn.Module]) -> List[str]:
 
 
 def _model_sharded(model: List[torch.nn.Module]) -> Dict:
-    return {key: _unwrap_ddp(chunk).sharded_state_dict()
+    # the data-parallel group in the metadata, as Megatron-LM's checkpointing passes it: the
+    # MTP stage's tie of its embedding copy to stage 0's key reads it (None would fail there)
+    metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+    return {key: _unwrap_ddp(chunk).sharded_state_dict(metadata=metadata)
             for key, chunk in zip(_model_keys(model), model)}
 
 

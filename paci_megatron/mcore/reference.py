@@ -26,6 +26,7 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.pipeline_parallel import schedules as mcore_schedules
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 from megatron.core.utils import get_model_config, get_model_type
 
 from ..autograd_versions import keep_version_counters
@@ -255,16 +256,18 @@ class PipelineEmulator:
             stage.input_grads[mb] = grad
 
     def _scale_aux_losses(self, model, scale: float) -> None:
-        """The MoE auxiliary losses' gradient scale for this backward (one value for the whole
-        process, so for all stages here): this stage's loss scale over the accumulation
-        factor its main loss was divided by, as 1F1B's forward sets it just before."""
+        """The MoE auxiliary losses' and the MTP losses' gradient scales for this backward (one
+        value each for the whole process, so for all stages here): this stage's loss scale
+        over the accumulation factor its main loss was divided by, as 1F1B's forward sets
+        them just before."""
         config = get_model_config(model)
-        if getattr(config, "num_moe_experts", None) is None:
-            return
         value = torch.tensor([scale], dtype=torch.float32)
         if not config.calculate_per_token_loss:
             value = value / self.accumulation
-        MoEAuxLossAutoScaler.set_loss_scale(value)
+        if getattr(config, "num_moe_experts", None) is not None:
+            MoEAuxLossAutoScaler.set_loss_scale(value)
+        if getattr(config, "mtp_num_layers", None) is not None:
+            MTPLossAutoScaler.set_loss_scale(value)
 
     def _move_expert_bias(self, model) -> None:
         """Aux-loss-free balancing at the local step: each router's bias moves by the flag's

@@ -34,7 +34,7 @@ from . import admission, aux_losses, expert_bias, main_params, param_gather, war
 from .grad_meta import GradMeta, grad_meta_for
 from .handlers import MegatronHandlers
 from .local_step import StepRecord
-from .tied import TiedEmbedding, shared_weight, tied_sha256
+from .tied import TiedEmbedding, shared_weight, shares_first_and_last, tied_sha256
 
 STOCK_GET_FORWARD_BACKWARD_FUNC = mcore_schedules.get_forward_backward_func
 
@@ -344,17 +344,17 @@ class PaciRuntime:
         return self._drift_plans[key]
 
     def _tied_in_plans(self, model) -> bool:
-        """Stage 0 and the last stage of a PACI plan with tied embeddings exchange the tied
-        weight's gradient and values point to point (SG/RG, SW/RW); the flush baseline keeps
-        Megatron's all-reduce. Every stage knows: the lists of all stages must agree."""
-        inner = admission.unwrap(model)
-        return (self.kind == "paci" and self.num_stages > 1
-                and bool(getattr(inner, "share_embeddings_and_output_weights", False)))
+        """Stage 0 and the last stage of a PACI plan that share a weight (tied embeddings, or
+        MTP's copy of the embedding) exchange its gradient and values point to point (SG/RG,
+        SW/RW); the flush baseline keeps Megatron's all-reduce. Every stage knows: the lists
+        of all stages must agree."""
+        return self.kind == "paci" and self.num_stages > 1 and shares_first_and_last(model)
 
     def _tied_exchange(self, model) -> Optional[TiedEmbedding]:
         if self.policy.features:
-            raise ValueError("--paci-accumulation-factor auto does not support tied embeddings "
-                             "yet; add --untie-embeddings-and-output-weights")
+            raise ValueError("--paci-accumulation-factor auto does not support a weight shared "
+                             "by the first and the last stage yet (tied embeddings: add "
+                             "--untie-embeddings-and-output-weights; or drop --mtp-num-layers)")
         if shared_weight(model) is None:
             return None  # a middle stage: the lists give it no tied action
         if self._stage_pg is None:

@@ -45,6 +45,13 @@ stale, measured per micro-batch and checked like the stage drift.
 
 The messages go over Megatron's embedding group (first and last stage of one tensor/data
 coordinate), point to point; no rank ever waits for one that was not already sent.
+
+Multi-token prediction at P > 1 shares a weight the same way: its layers on the last stage
+read a copy of stage 0's word embedding, which Megatron zeroes at start, all-reduces from stage
+0, and keeps equal by the same gradient all-reduce. So "the tied weight" is whatever
+``shared_embedding_or_output_weight()`` returns on stage 0 and the last stage whenever
+``shares_first_and_last`` holds: the output layer (tied embeddings), or the MTP stage's copy of
+the embedding (tied or not; tied, the output layer reads that copy too).
 """
 
 from __future__ import annotations
@@ -60,13 +67,32 @@ from ..features.base import StageContext, StageFeature, sub_optimizers
 from ..shape import tied_lag
 
 
+def _inner(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def shares_first_and_last(model) -> bool:
+    """Does stage 0 share a weight with the last stage? Tied embeddings (the output layer is
+    the word embedding) or multi-token prediction (its layers on the last stage read a copy
+    of the word embedding): Megatron all-reduces that copy's gradient with stage 0's at every
+    step in both cases (``finalize_model_grads``), and PACI replaces that with the tied
+    actions. The one model-side test; every stage answers alike (the lists agree). The flags'
+    side is ``config.first_stage_shares_weight``."""
+    inner = _inner(model)
+    config = getattr(inner, "config", None)
+    return bool(getattr(inner, "share_embeddings_and_output_weights", False)
+                or getattr(config, "mtp_num_layers", None))
+
+
 def shared_weight(model) -> Optional[torch.nn.Parameter]:
-    """The stage's copy of the tied weight (embedding on stage 0, output layer on the last
-    stage), or None when the model is untied or the stage holds neither."""
-    inner = model
-    while hasattr(inner, "module"):
-        inner = inner.module
-    if not getattr(inner, "share_embeddings_and_output_weights", False):
+    """The stage's copy of the shared weight (stage 0's word embedding; on the last stage the
+    output layer, or with MTP its copy of the embedding: Megatron's
+    ``shared_embedding_or_output_weight``), or None when nothing is shared or the stage holds
+    neither."""
+    inner = _inner(model)
+    if not shares_first_and_last(inner):
         return None
     if not (getattr(inner, "pre_process", False) or getattr(inner, "post_process", False)):
         return None

@@ -117,6 +117,8 @@ class PaciTrainingHooks:
     runs on every rank at the end of training (it may gather across the pipeline);
     ``make_moe_metrics(model, runtime)``, for MoE models, the stage-local stand-in for
     Megatron's MoE metric report (its ``report(original, *args, **kwargs)``);
+    ``mtp_report(original, *args, **kwargs)``, the stage-local run of Megatron's MTP loss
+    report (``MTPLossLoggingHelper.track_mtp_metrics``);
     ``drain_before_eval``: --paci-drain-before-eval. Installed by :meth:`install`; see the
     docstring of each hook.
     """
@@ -124,9 +126,11 @@ class PaciTrainingHooks:
     def __init__(self, make_runtime: Callable[[Any, int, Any, Any], Any],
                  report: Optional[Callable[[Any, Any], None]] = None, log: Callable[[str], None] = None,
                  drain_before_eval: bool = False,
-                 make_moe_metrics: Optional[Callable[[Any, Any], Any]] = None):
+                 make_moe_metrics: Optional[Callable[[Any, Any], Any]] = None,
+                 mtp_report: Optional[Callable[..., Any]] = None):
         self.make_runtime = make_runtime
         self.make_moe_metrics = make_moe_metrics
+        self.mtp_report = mtp_report
         self.moe = None
         self.report = report
         self.drain_before_eval = drain_before_eval
@@ -290,7 +294,26 @@ class PaciTrainingHooks:
             if _replace(mlm_training, name, _plain(local)):
                 patched.append(name)
         patched += self.install_moe_report(mlm_training)
+        patched += self.install_mtp_report(mlm_training)
         return patched
+
+    def install_mtp_report(self, mlm_training) -> List[str]:
+        """Megatron-LM's training log reports the MTP losses once an iteration through
+        ``MTPLossLoggingHelper.track_mtp_metrics``: under PACI through ``mtp_report``, within
+        the stage. The training module's name is pointed at a subclass (the model's own
+        calls, which fill the tracker, keep the class)."""
+        helper = getattr(mlm_training, "MTPLossLoggingHelper", None)
+        if helper is None or self.mtp_report is None:
+            return []
+        report = self.mtp_report
+
+        class StageLocalMTPLossLoggingHelper(helper):
+            @staticmethod
+            def track_mtp_metrics(*args, **kwargs):
+                return report(helper.track_mtp_metrics, *args, **kwargs)
+
+        return ["MTPLossLoggingHelper"] if _replace(
+            mlm_training, "MTPLossLoggingHelper", StageLocalMTPLossLoggingHelper) else []
 
     def install_moe_report(self, mlm_training) -> List[str]:
         """Megatron-LM's training log reports the MoE metrics once an iteration with an

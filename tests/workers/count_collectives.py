@@ -125,7 +125,23 @@ def main(argv):
         return original_finish(job)
 
     training.finish = finish
+    pause_while_saving(training, counter)
     return training.main(argv)
+
+
+def pause_while_saving(training, counter):
+    """A checkpoint drains and gathers the stages' tables (documented): not the steady state,
+    so a run may save at --save-interval and still be counted around it."""
+    original = training.save
+
+    def save(job):
+        counting, counter.on = counter.on, False
+        try:
+            return original(job)
+        finally:
+            counter.on = counting
+
+    training.save = save
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from paci_megatron.mcore.reference import PipelineEmulator, StageParts, weights_
 from paci_megatron.tools.backward_audit import audit_backward
 from paci_megatron.mcore.runtime import PaciRuntime
 from paci_megatron.mcore.checkpoint import persistent_buffers
-from paci_megatron.mcore.tied import tied_sha256
+from paci_megatron.mcore.tied import shared_weight, tied_sha256
 from paci_megatron.plan_policy import AdaptivePlan
 
 from case_args import parse_case_args  # same folder: the script's own
@@ -42,7 +42,7 @@ BASE = dict(tp=1, dp=1, a=4, n=4, calls=5, dropout=0.0, bf16=False, recompute=Fa
             audit=False, factors=None, tied=False,
             fp16=False, per_token=False, predict=False, overlap=False, grad_overlap=False, kind="paci",
             fp16_scales=(19, 20), warmup=8, param_gather=False, lookahead=0.0,
-            optimizer="adam", moe=None, ep=1, split=None)
+            optimizer="adam", moe=None, ep=1, split=None, mtp=None)
 MOE = dict(num_experts=4, router_topk=2, ffn_hidden_size=64, layer_freq=2, aux_loss_coeff=1e-2,
            shared_expert_intermediate_size=64, token_dispatcher_type="alltoall")
 # aux-loss-free balancing: sigmoid scores, the expert bias moved at every local step (a rate
@@ -162,6 +162,17 @@ CASES: Dict[str, Dict] = {
     # first/last flags (1/2/2/1) and by a layout (3/1), tied embeddings beside them
     "p4_uneven": dict(pp=4, a=2, layers=6, dropout=0.1, split=dict(first=1, last=1)),
     "p2_layout_tied": dict(pp=2, a=2, tied=True, split=dict(layout="Ettt|tL")),
+    # multi-token prediction (issue 50): its layers on the last stage read a copy of stage 0's
+    # word embedding, kept by the tied exchange: untied in bf16 (the copy is the embedding
+    # alone), and with the weight prediction (bf16's default); tied at P = 4 with a drain and
+    # evaluations without drain (one weight: embedding
+    # and output layer); fp16 with the stages' scalers apart (the MTP loss's gradient scaled
+    # at the stage's loss scale before each backward)
+    "p2_mtp_bf16": dict(pp=2, a=2, bf16=True, dropout=0.1, mtp=1),
+    "p2_mtp_bf16_predict": dict(pp=2, a=2, bf16=True, dropout=0.1, mtp=1, predict=True),
+    "p4_mtp_tied": dict(pp=4, a=2, calls=6, tied=True, mtp=1, drain_after=(3,),
+                        eval_after=(2, 4)),
+    "p2_fp16_mtp": dict(pp=2, a=2, calls=6, fp16=True, mtp=1),
 }
 
 
@@ -179,6 +190,9 @@ def spec_of(cfg: Dict) -> build.GPTSpec:
         recompute_method="uniform" if cfg["recompute"] else None,
         recompute_num_layers=1 if cfg["recompute"] else None,
         moe=build.MoESpec(**cfg["moe"]) if cfg["moe"] else None,
+        # MTP needs rope (Megatron-LM refuses learned positions with it)
+        mtp_num_layers=cfg["mtp"], position_embedding_type="rope" if cfg["mtp"]
+        else "learned_absolute",
         layer_split=LayerSplit(**cfg["split"]) if cfg["split"] else LayerSplit())
 
 
@@ -247,9 +261,10 @@ def _true(features, params=None) -> bool:
 
 def _untied(model, stage, cfg) -> list:
     """The weights an evaluation runs as the stage's own: all but the last stage's tied
-    copy, which an evaluation without drain swaps for stage 0's current weight (tied.py)."""
+    copy (or MTP's copy of the embedding), which an evaluation without drain swaps for stage
+    0's current weight (tied.py)."""
     params = list(model.parameters())
-    if cfg["tied"] and cfg["pp"] > 1 and stage == cfg["pp"] - 1:
+    if (cfg["tied"] or cfg["mtp"]) and cfg["pp"] > 1 and stage == cfg["pp"] - 1:
         params = [p for p in params if not getattr(p, "shared_embedding", False)]
     return params
 
@@ -343,7 +358,19 @@ def run_runtime(case: str, out_dir: str) -> None:
         true_after_step=true_after_step, evaluated=evaluated,
         expert_bias=[t.tolist() for name, t in persistent_buffers(parts.model)
                      if name.endswith("expert_bias")],
-        layers=build.stage_layer_numbers([parts.model])))
+        layers=build.stage_layer_numbers([parts.model]), holds=_holds(parts.model)))
+
+
+def _holds(model) -> Dict:
+    """What the stage built of the embedding and MTP: its MTP layers, and whether the
+    weight it shares with the other end (tied.shared_weight) is a word embedding."""
+    inner = build.unwrap_model(model)
+    shared = shared_weight(model)
+    embedding = getattr(inner, "embedding", None)
+    return dict(mtp_layers=len(inner.mtp.layers) if getattr(inner, "mtp", None) else 0,
+                shares_embedding=shared is not None and embedding is not None
+                and shared is embedding.word_embeddings.weight,
+                shares=shared is not None)
 
 
 def run_emulator(case: str, out_dir: str) -> None:
