@@ -8,7 +8,7 @@ import os
 from typing import Optional, Sequence
 
 from .config import (Layout, PaciConfig, add_paci_arguments, first_stage_shares_weight,
-                     rampup_micro_batches, resolve)
+                     rampup_micro_batches, refuse_tied_mtp_checkpoints, resolve)
 from .flag import ConfigError, bounded_float, bounded_int, non_negative_float, path, positive, \
     probability
 from .layer_split import LayerSplit
@@ -364,6 +364,9 @@ def _validate_mtp(args) -> None:
     if args.position_embedding_type not in ("rope", "none"):
         raise ConfigError(f"--mtp-num-layers needs --position-embedding-type rope or none (as "
                           f"in Megatron-LM), not {args.position_embedding_type}")
+    refuse_tied_mtp_checkpoints(args.pipeline_model_parallel_size,
+                                args.untie_embeddings_and_output_weights, args.mtp_num_layers,
+                                args.save)
     if args.pipeline_model_parallel_layout is not None:
         raise ConfigError("--mtp-num-layers with --pipeline-model-parallel-layout is not "
                           "supported by pretrain_gpt_paci.py (the MTP layers go on the last "

@@ -132,6 +132,20 @@ def first_stage_shares_weight(pipeline_size: int, untied: bool, mtp_num_layers) 
     return pipeline_size > 1 and (not untied or bool(mtp_num_layers))
 
 
+def refuse_tied_mtp_checkpoints(pipeline_size: int, untied: bool, mtp_num_layers,
+                                save) -> None:
+    """Megatron-Core (0.16.1 to main) cannot save tied embeddings beside MTP at P > 1: its MTP
+    stage allocates an output-layer weight that nothing reads, and its sharded_state_dict
+    asserts that weight absent, at the first save, under stock 1F1B too. Say so before the
+    run rather than at its first checkpoint."""
+    if pipeline_size > 1 and mtp_num_layers and not untied and save:
+        raise ConfigError("--mtp-num-layers with tied embeddings at P > 1 cannot be saved by "
+                          "Megatron-Core (the last stage's output layer keeps a weight nothing "
+                          "reads, which its checkpoint asserts absent; stock 1F1B fails at the "
+                          "first save too): add --untie-embeddings-and-output-weights (as "
+                          "DeepSeek-V3 does), or drop --save")
+
+
 @dataclass(frozen=True)
 class PaciConfig:
     """PACI's settings once resolved: defaults filled in, checked against the layout."""

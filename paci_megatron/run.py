@@ -38,7 +38,8 @@ from typing import List, Optional, Sequence
 
 from .autograd_versions import ZERO_CENTERED_GAMMA
 from .config import (Layout, PaciConfig, add_paci_arguments, first_stage_shares_weight,
-                     rampup_micro_batches, refuse_paci_flags, resolve)
+                     rampup_micro_batches, refuse_paci_flags, refuse_tied_mtp_checkpoints,
+                     resolve)
 from .features import method_cost_lines
 from .flag import ConfigError
 from .layer_split import expand_layout
@@ -189,6 +190,9 @@ def refuse_stage_crossing_collectives(args: argparse.Namespace) -> None:
                          "drop it")
     if pp > 1 and getattr(args, "mtp_num_layers", None):
         refuse_mtp_off_the_last_stage(getattr(args, "pipeline_model_parallel_layout", None))
+        refuse_tied_mtp_checkpoints(pp, getattr(args, "untie_embeddings_and_output_weights",
+                                                False), args.mtp_num_layers,
+                                    getattr(args, "save", None))
     if getattr(args, "step_batch_size_schedule", None):  # Megatron-LM 0.19
         raise ValueError("--pipeline-schedule paci does not support --step-batch-size-schedule "
                          "yet: the accumulation factor is checked against every number of "

@@ -915,3 +915,31 @@ def test_sixteen_stages_train_and_resume_through_the_drop_in(checkout, tmp_path)
     whole = iterations(straight)
     assert [r["iteration"] for r in iterations(resumed)] == ["3", "4"], resumed[-3000:]
     assert_resumes_exactly(iterations(resumed), whole[2:])
+
+
+@pytest.mark.dist
+@pytest.mark.slow  # 8 processes, 2 launches: guarded at P = 2 by the MoE and MTP drop-in tests
+def test_a_deepseek_shaped_moe_trains_through_the_drop_in(checkout, tmp_path):
+    """Issue 50: MoE with the expert bias and a shared expert, one MTP layer, untied embeddings
+    (as DeepSeek-V3; Megatron-Core cannot checkpoint tied + MTP at P > 1), bf16 and the
+    distributed optimizer at P = 4 x EP = 2 (8 processes) through Megatron-LM's own
+    pretrain_gpt.py: drift at its bound on every stage, the MTP layer's embedding copy at its
+    lag and identical after the drain, the MTP loss logged, and stock 1F1B runs the same config
+    as the baseline. (Its resume through the drop-in is not exact yet: see docs/moe.md.)"""
+    at = MODEL_FLAGS.index("--num-layers")
+    flags = _with(MODEL_FLAGS[:at] + MODEL_FLAGS[at + 2:] + MOE_FLAGS, num_layers=8,
+                  pipeline_model_parallel_size=4, micro_batch_size=1, global_batch_size=16,
+                  moe_router_bias_update_rate=0.01)
+    flags += ["--expert-model-parallel-size", "2", "--use-distributed-optimizer", *MTP_FLAGS]
+    for sub in ("paci", "stock"):
+        (tmp_path / sub).mkdir()
+    run = _ok(checkout, ["--pipeline-schedule", "paci", "--paci-accumulation-factor", "4"],
+              tmp_path / "paci", nproc=8, timeout=900, model_flags=flags)
+    stock = _ok(checkout, ["--pipeline-schedule", "1f1b"], tmp_path / "stock", nproc=8,
+                timeout=900, model_flags=flags)
+    assert drift(run) == {s: dict(max=b, bound=b, steps=8) for s, b in enumerate((1, 1, 1, 0))}
+    assert TIED.search(run).groups() == ("1", "1", "identical"), run[-3000:]
+    assert len(MTP_LOSS.findall(run)) == 4, run[-3000:]
+    assert [r["iteration"] for r in iterations(run)] == ["1", "2", "3", "4"]
+    assert [r["iteration"] for r in iterations(stock)] == ["1", "2", "3", "4"]
+    assert "PACI" not in stock and len(MTP_LOSS.findall(stock)) == 4

@@ -82,6 +82,23 @@ def test_the_drop_in_takes_mtp_and_refuses_it_before_the_last_stage():
                                                  paci_accumulation_factor="auto"))
 
 
+def test_tied_mtp_with_checkpoints_is_refused_before_the_run_in_both_entry_points(capsys):
+    """Megatron-Core's MTP stage keeps an output-layer weight nothing reads, and its
+    sharded_state_dict asserts it absent: tied + MTP at P > 1 fails at the first save, under
+    stock 1F1B too (run by hand at P = 4 x EP = 2 on 0.16.1). PACI says so before the run;
+    untied, or without --save, it trains."""
+    tied = [f for f in P2 if f != "--untie-embeddings-and-output-weights"]
+    err = _refused([*tied, "--save", "/tmp/ckpt"], capsys)
+    assert "--untie-embeddings-and-output-weights" in err and "--save" in err, err
+    parse_and_validate([*P2, "--save", "/tmp/ckpt"], world_size=2)
+    parse_and_validate(tied, world_size=2)
+    with pytest.raises(ConfigError, match="add --untie-embeddings-and-output-weights"):
+        paci_run.validate_flags(megatron_lm_args(mtp_num_layers=1, save="/tmp/ckpt",
+                                                 untie_embeddings_and_output_weights=False))
+    paci_run.validate_flags(megatron_lm_args(mtp_num_layers=1, save="/tmp/ckpt",
+                                             untie_embeddings_and_output_weights=True))
+
+
 def test_the_runtime_refuses_mtp_layers_off_the_last_stage():
     from paci_megatron.mcore.admission import check_no_cross_stage_grad_reduction
 
