@@ -23,7 +23,7 @@ import launch
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # The deny-list: tests neither dist nor slow that are not fast, each with why (it calls
-# torch.compile, runs pip or launches a process). "FILE::TEST" (every parametrization),
+# torch.compile, runs pip or launches a process, or is pure but long). "FILE::TEST" (every parametrization),
 # "FILE::TEST[ID]" (one) or "FILE" (all of it).
 NOT_FAST = {
     "test_bench_overhead.py::test_quick_run_reports_both_arms_and_clocks":
@@ -39,6 +39,8 @@ NOT_FAST = {
         "preprocess_data --workers 2 starts a multiprocessing pool",
     "test_data.py::test_cli_prints_training_flags": "python -m ...preprocess_data",
     "test_data.py::test_cli_error_exit_code_without_traceback": "python -m ...preprocess_data",
+    "test_depth.py::test_every_deep_plan_passes_its_start_up_checks_with_drift_at_the_bound":
+        "pure, but P = 17..32 take about a minute on 2 cores",
     "test_executor_and_config.py::test_entry_point_rejects_bad_flags_before_starting":
         "runs pretrain_gpt_paci.py",
     "test_install.py": "pip install --dry-run, a venv, setup.py read in a fresh interpreter",

@@ -1,9 +1,10 @@
-"""Deep pipelines, pure and fast: the plans a run at P = 2..32 may use pass the checks a run's
-own plan passes at start-up (``check_plan``: the schedule's invariants, its first calls in
-lockstep, and under an NCCL model), with each stage's drift exactly at its bound and at most
-P - s micro-batches in flight (exactly P - s at the peak). ``a`` ranges over the divisors of N = 16 (every factor ``auto``
-may pick at N = 16, and 16 itself); the NCCL model, the slowest check, takes one ``a`` and one
-setting per P so that every setting meets every depth class."""
+"""Deep pipelines, pure: the plans a run at P = 2..32 may use pass the checks a run's own plan
+passes at start-up (``check_plan``: the schedule's invariants, its first calls in lockstep,
+and under an NCCL model), with each stage's drift exactly at its bound and exactly P - s
+micro-batches in flight at the peak. ``a`` ranges over the divisors of N = 16 (every factor
+``auto`` may pick at N = 16, and 16 itself); the NCCL model, the slowest check, takes one
+``a`` and one setting per P so that every setting meets every depth class. P <= 16 are in
+the fast tier; P = 17..32 in the default suite."""
 
 import itertools
 import math
@@ -17,6 +18,7 @@ from paci_megatron.simulate import NcclModel, check_lists, check_plan
 
 N = 16
 DEPTHS = range(2, 33)
+SHALLOW, DEEP = range(2, 17), range(17, 33)
 FACTORS = adapt.candidates(32, N, None)  # (16, 8, 4, 2, 1): what auto may pick at N = 16
 SETTINGS = list(itertools.product((True, False), (False, True), (False, True)))
 
@@ -25,8 +27,20 @@ def test_the_factors_auto_may_pick_at_n16_are_the_divisors():
     assert FACTORS == (16, 8, 4, 2, 1)
 
 
-@pytest.mark.parametrize("P", DEPTHS)
+@pytest.mark.parametrize("P", SHALLOW)
 def test_every_plan_passes_its_start_up_checks_with_drift_at_the_bound(P):
+    check_every_plan(P)
+
+
+# P = 17..32 take about a minute on 2 cores: the default suite runs them, the fast tier not
+# (tests/conftest.py NOT_FAST)
+@pytest.mark.parametrize("P", DEEP)
+def test_every_deep_plan_passes_its_start_up_checks_with_drift_at_the_bound(P):
+    check_every_plan(P)
+    check_under_nccl(P)
+
+
+def check_every_plan(P):
     for a, tied in itertools.product(FACTORS, (False, True)):
         check_plan(plan_stream("paci", P, a, N, tied))
         drifts, peaks = check_lists(build("paci", P, a, 2 * P + a, tied))
@@ -36,11 +50,16 @@ def test_every_plan_passes_its_start_up_checks_with_drift_at_the_bound(P):
         assert peaks == [P - s for s in range(P)], (P, a, tied)
 
 
-@pytest.mark.parametrize("P", DEPTHS)
+@pytest.mark.parametrize("P", SHALLOW)
 def test_every_depth_passes_under_an_nccl_model(P):
     """One (a, tied, setting) per P, chosen round-robin: over P = 2..32 every a, both tied
     and untied, and every one of the eight settings (batched, shape exchange, eager) meet
-    deep pipelines (P >= 16) too. A device-wide sync may come after any action."""
+    deep pipelines (P >= 16) too. A device-wide sync may come after any action. (P = 17..32:
+    in the deep test above.)"""
+    check_under_nccl(P)
+
+
+def check_under_nccl(P):
     a = FACTORS[P % len(FACTORS)]
     tied = P % 2 == 0
     batched, shapes, eager = SETTINGS[P % len(SETTINGS)]
