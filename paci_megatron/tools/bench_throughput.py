@@ -42,11 +42,8 @@ def stream_schedule(kind: str, num_stages: int, microbatches: int, calls: int,
                     tied: bool = False) -> Schedule:
     """The calls 0..calls-1 of the stream, concatenated per stage: what each stage ran."""
     plan = plan_stream(kind, num_stages, microbatches, microbatches, tied)
-    lists = tuple(
-        tuple(act for k in range(calls) for act in plan.call(k)[s]) for s in range(num_stages)
-    )
-    return Schedule(f"{kind}-stream", num_stages, microbatches, calls * microbatches, lists,
-                    plan.tied)
+    return Schedule(f"{kind}-stream", num_stages, microbatches, calls * microbatches,
+                    plan.lists(calls), plan.tied)
 
 
 def simulate_stream(kind: str, num_stages: int, microbatches: int, bench: Bench,
@@ -66,8 +63,9 @@ def simulate_stream(kind: str, num_stages: int, microbatches: int, bench: Bench,
     else:
         events = run_stream_nccl(plan, bench.calls, costs or bench.costs(num_stages), nccl)
     worst = 0.0
+    warm = plan.lists(bench.warmup)
     for s, evs in enumerate(events):
-        before = sum(len(plan.call(k)[s]) for k in range(bench.warmup))
+        before = len(warm[s])
         start = evs[before - 1].end if before else 0.0  # the timer starts as call W is entered
         worst = max(worst, evs[-1].end - start)
     return worst / bench.updates, events
