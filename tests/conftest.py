@@ -41,6 +41,8 @@ NOT_FAST = {
     "test_data.py::test_cli_error_exit_code_without_traceback": "python -m ...preprocess_data",
     "test_depth.py::test_every_deep_plan_passes_its_start_up_checks_with_drift_at_the_bound":
         "pure, but P = 17..32 take about a minute on 2 cores",
+    "test_eager_groups.py::test_a_second_set_up_shuts_the_first_ones_groups_down":
+        "sets up gloo process groups and Megatron's parallel state in this process",
     "test_executor_and_config.py::test_entry_point_rejects_bad_flags_before_starting":
         "runs pretrain_gpt_paci.py",
     "test_install.py": "pip install --dry-run, a venv, setup.py read in a fresh interpreter",

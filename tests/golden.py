@@ -83,7 +83,7 @@ MLM_CONFIGS = {
 }
 TIMINGS = {"wall_s", "elapsed_ms", "tokens_per_sec", "peak_memory_mb", "peak_rss_mb",
            "peak_activation_mb", "memory", "forward_ms", "predict_ms", "lookahead_ms",
-           "method_forward_ms"}
+           "method_forward_ms", "stage_forward_ms"}
 MLM_LINE = re.compile(r"(iteration\s+\d+/\s*\d+ \|.*?lm loss: \S+ \|.*?grad norm: \S+ \|)"
                       r"|(> PACI stage \d+: .*)|(> PACI tied embedding: .*)")
 

@@ -4,6 +4,8 @@ the device bound every ``new_group`` is a split all ranks must join (issue 30). 
 the CUDA side is seen through what is passed to torch."""
 
 import importlib
+import os
+import socket
 
 import pytest
 import torch
@@ -64,3 +66,35 @@ def test_the_tied_stages_embedding_group_makes_no_communicator(monkeypatch):
     # the module, not the function megatron.core.distributed exports under its name
     finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
     finalize._allreduce_embedding_grad([], out.embd, None, weight_getter=None)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_a_second_set_up_shuts_the_first_ones_groups_down(monkeypatch):
+    """The tests' case workers set up one config after another in one process. Each set-up
+    shuts the last one's groups down: Megatron's destroy_model_parallel only drops them, and
+    gloo keeps a group's threads until it is shut down (forty set-ups held some 1,600 threads
+    a rank, and a 4-rank launch ran out of time)."""
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port()))):
+        monkeypatch.setenv(name, value)
+    live = torch.distributed.distributed_c10d._world.pg_map
+    try:
+        distributed.init_distributed(seed=1, timeout_s=60)
+        groups, threads = len(live), _threads()
+        assert groups > 1  # Megatron's own groups beside the default one
+        for _ in range(3):
+            distributed.init_distributed(seed=1, timeout_s=60)
+        assert len(live) == groups
+        assert _threads() <= threads
+    finally:
+        distributed.destroy_distributed()

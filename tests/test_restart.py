@@ -26,7 +26,7 @@ P4 = ["--pipeline-model-parallel-size", "4", "--num-layers", "4", "--hidden-size
 # timing, and max_drift: the largest drift each stage saw since its process started (after a
 # restart it counts again from the resume, where the pipeline refills after the drain)
 NOT_REPLAYED = {"wall_s", "elapsed_ms", "tokens_per_sec", "peak_rss_mb", "peak_activation_mb",
-                "max_drift"}
+                "max_drift", "stage_forward_ms"}
 
 
 

@@ -118,6 +118,11 @@ def make_instance_groups() -> None:
             _INSTANCE_GROUP[mine] = group
 
 
+def forget_instance_groups() -> None:
+    """Drop the groups ``make_instance_groups`` made (their set-up is being torn down)."""
+    _INSTANCE_GROUP.clear()
+
+
 def instance_group() -> Any:
     """The distributed optimizer's stage-local grad-stats group: the stage's whole tensor x
     data x context-parallel group with one instance, else the part of it in this rank's

@@ -17,6 +17,8 @@ except ImportError:  # source checkout with PYTHONPATH=<repo root>
 
 from megatron.core import parallel_state, tensor_parallel
 
+from .admission import forget_instance_groups
+
 
 def init_distributed(
     tp: int = 1,
@@ -67,7 +69,7 @@ def init_distributed(
         apply_cpu_patches()
 
     if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+        release_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
@@ -114,6 +116,19 @@ def set_random_seed(seed: int) -> None:
     random.seed(stage_seed)
     torch.manual_seed(stage_seed)
     tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
+
+
+def release_model_parallel() -> None:
+    """Megatron's parallel state dropped and every group made since the default one shut down
+    (a process that sets up one config after another: the tests' case workers). Megatron's
+    ``destroy_model_parallel`` only drops its references, and a gloo group keeps its threads
+    until it is shut down: forty set-ups in one process held some 1,600 threads a rank."""
+    parallel_state.destroy_model_parallel()
+    forget_instance_groups()
+    world = torch.distributed.GroupMember.WORLD
+    for group in list(torch.distributed.distributed_c10d._world.pg_map):
+        if group is not world:
+            torch.distributed.destroy_process_group(group)
 
 
 def destroy_distributed() -> None:
