@@ -334,6 +334,26 @@ def patch_mtp_cuda():
     return redirect_torch("megatron.core.transformer.multi_token_prediction")
 
 
+def _never_an_inference_linear(module) -> bool:
+    return False
+
+
+def patch_mtp_inference_linear():
+    """Megatron-LM main (0.20): every MTP layer asks ``is_inference_column_parallel_linear``,
+    an ``isinstance`` against classes built on Transformer Engine's. Without Transformer Engine
+    those are MagicMock stand-ins, not types, so the check raises and no MTP model builds,
+    stock 1F1B included. No module can be one of them then: the answer is False."""
+    if importlib.util.find_spec("megatron.core.tensor_parallel.inference_layers") is None:
+        return False
+    layers = importlib.import_module("megatron.core.tensor_parallel.inference_layers")
+    mtp = importlib.import_module("megatron.core.transformer.multi_token_prediction")
+    if getattr(mtp, "is_inference_column_parallel_linear", None) is None \
+            or isinstance(layers.InferenceColumnParallelLinear, type):
+        return False
+    mtp.is_inference_column_parallel_linear = _never_an_inference_linear
+    return True
+
+
 # Registry, in application order: name -> function. Each returns True if it changed something.
 CPU_PATCHES: Dict[str, Callable[[], bool]] = {
     "p2p_communication": patch_p2p_communication,
@@ -354,6 +374,7 @@ CPU_PATCHES: Dict[str, Callable[[], bool]] = {
     "low_precision_gemm": patch_low_precision_gemm,
     "moe_cuda": patch_moe_cuda,
     "mtp_cuda": patch_mtp_cuda,
+    "mtp_inference_linear": patch_mtp_inference_linear,
 }
 
 _APPLIED: List[str] = []

@@ -6,7 +6,12 @@ PP=2 staying equal, interleaved PP=2 x VPP=2, bf16, TP=2 x PP=2, DP=2 x PP=2 wit
 grad reduce and the distributed optimizer, dropout reproducibility and activation recompute.
 """
 
+import importlib.machinery
+import importlib.util
 import math
+import sys
+import types
+import unittest.mock
 
 import pytest
 
@@ -34,6 +39,49 @@ def test_apply_checks_version_before_patching(monkeypatch):
     with pytest.raises(release_check.UnsupportedMegatronVersion):
         cpu_gloo.apply_cpu_patches()
     assert cpu_gloo.applied_cpu_patches() == applied_before
+
+
+def _stand_in(monkeypatch, name, **attrs):
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    module.__dict__.update(attrs)
+    monkeypatch.setitem(sys.modules, name, module)
+    return module
+
+
+@pytest.mark.parametrize("te", [False, True])
+def test_mtp_layers_build_without_transformer_engine_on_main(monkeypatch, te):
+    """Megatron-LM main's MTP layer asks isinstance(module, Inference*Linear); without
+    Transformer Engine those names are MagicMocks and the check raises, so no MTP model builds
+    on CPU (the drop-in's MTP test on main failed with 'isinstance() arg 2 must be a type').
+    The patch answers False there and leaves a real class (Transformer Engine present) alone."""
+    inference = (type("InferenceColumnParallelLinear", (), {}) if te
+                 else unittest.mock.MagicMock(spec=str))
+
+    def check(module):
+        return isinstance(module, (inference,))
+
+    _stand_in(monkeypatch, "megatron.core.tensor_parallel.inference_layers",
+              InferenceColumnParallelLinear=inference)
+    mtp = _stand_in(monkeypatch, "megatron.core.transformer.multi_token_prediction",
+                    is_inference_column_parallel_linear=check)
+    if not te:
+        with pytest.raises(TypeError, match="must be a type"):
+            mtp.is_inference_column_parallel_linear(object())
+    assert cpu_gloo.patch_mtp_inference_linear() is (not te)
+    assert (mtp.is_inference_column_parallel_linear is check) is te
+    assert mtp.is_inference_column_parallel_linear(object()) is False
+    if te:
+        assert mtp.is_inference_column_parallel_linear(inference()) is True
+
+
+def test_the_inference_linear_patch_is_a_no_op_where_the_release_lacks_it(monkeypatch):
+    """0.16-0.19 have no inference_layers module: nothing to patch."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.endswith("inference_layers")
+                        else real(name, *a))
+    assert cpu_gloo.patch_mtp_inference_linear() is False
 
 
 def test_version_read_is_light_and_both_import_names_work():
