@@ -33,10 +33,17 @@ class _Held:
 
 class SavedTensorMeter:
     def __init__(self, params: Iterable[torch.Tensor] = ()):
-        self.param_storages = {p.untyped_storage().data_ptr() for p in params}
+        self.params = list(params)
+        self.param_storages: set = set()
+        self.find_param_storages()
         self.refs: Dict[int, int] = {}  # storage pointer -> saved tensors holding it
         self.live = 0
         self.peak = 0
+
+    def find_param_storages(self) -> None:
+        """Where the weights live now: weight prediction moves them into one flat buffer
+        after the meter is made, and a stale set would count them as activations."""
+        self.param_storages = {p.untyped_storage().data_ptr() for p in self.params}
 
     def _release(self, ptr: int, nbytes: int) -> None:
         self.refs[ptr] -= 1
@@ -66,6 +73,7 @@ class SavedTensorMeter:
         """A Megatron forward_step_func whose model forward is metered."""
 
         def forward_step(*args, **kwargs):
+            self.find_param_storages()
             with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
                 return forward_step_func(*args, **kwargs)
 

@@ -22,6 +22,24 @@ def test_meter_tracks_in_flight_activations():
     assert not meter.refs
 
 
+def test_weights_moved_after_the_meter_was_made_are_still_not_activations():
+    """Weight prediction moves the weights into one flat buffer once the run has started (as
+    mcore/main_params does): the meter must not count them as saved activations then."""
+    layer = torch.nn.Linear(64, 64, bias=False)
+    meter = SavedTensorMeter(layer.parameters())
+    step = meter.wrap(lambda x: layer(x))
+    x = torch.randn(8, 64, requires_grad=True)
+    step(x).sum().backward()
+    before = meter.peak  # the input only: the weight is saved by reference
+    assert before == x.untyped_storage().nbytes()
+    flat = torch.empty(2 * 64 * 64)
+    flat[64 * 64:].copy_(layer.weight.detach().reshape(-1))
+    layer.weight.data = flat[64 * 64:].view(64, 64)
+    meter.peak = 0
+    step(x).sum().backward()
+    assert meter.peak == before
+
+
 def test_live_meter_counts_a_known_allocation_once_and_frees_it():
     from paci_megatron.memory import LiveTensorMeter
 

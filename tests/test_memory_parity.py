@@ -1,6 +1,9 @@
-"""PACI's whole-stage peak memory is 1F1B's (CPU live-tensor meter), at P=4 with Adam in
+"""PACI's whole-stage peak memory (CPU live-tensor meter) and its peak of activations saved
+for backward (saved-tensor meter) are 1F1B's, at P=4 with Adam in
 bf16, with and without --paci-weight-prediction (no copy of the weights, no temporaries), and
-so is the peak inside every predicted forward, its move and restore included."""
+so is the peak inside every predicted forward, its move and restore included; the same for an
+MoE GPT (issue 50: experts, a shared expert, the expert bias, the aux loss), whole-stage and
+saved for backward."""
 
 import json
 
@@ -34,9 +37,10 @@ def peaks(tmp_path_factory):
     return out
 
 
+@pytest.mark.parametrize("meter", ["peak_memory_mb", "peak_activation_mb"])
 @pytest.mark.parametrize("run", ["paci", "paci-predict"])
-def test_paci_peak_memory_per_stage_is_1f1b_s(run, peaks):
-    paci, stock = peaks[run]["peak_memory_mb"], peaks["1f1b"]["peak_memory_mb"]
+def test_paci_peak_memory_per_stage_is_1f1b_s(run, meter, peaks):
+    paci, stock = peaks[run][meter], peaks["1f1b"][meter]
     assert len(paci) == len(stock) == 4
     for stage, (p, s) in enumerate(zip(paci, stock)):
         assert p <= 1.02 * s, (stage, p, s)
@@ -84,3 +88,31 @@ def test_meter_counts_more_than_activations(peaks):
         whole, saved = final["peak_memory_mb"], final["peak_activation_mb"]
         assert whole[0] - saved[0] >= 4000 * 128 * 18 / 2**20
         assert all(w > a for w, a in zip(whole, saved))
+
+
+# every layer MoE: 4 experts top-2 with a shared expert, the expert bias beside the aux loss
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "128",
+       "--moe-shared-expert-intermediate-size", "128", "--moe-router-score-function", "sigmoid",
+       "--moe-router-enable-expert-bias", "--moe-aux-loss-coeff", "0.001"]
+
+
+@pytest.fixture(scope="module")
+def moe_peaks(tmp_path_factory):
+    out = {}
+    for run in ("1f1b", "paci-predict"):
+        metrics = tmp_path_factory.mktemp("moe-" + run) / "metrics.jsonl"
+        run_torchrun("pretrain_gpt_paci.py", FLAGS + MOE + RUNS[run] + [
+            "--metrics-file", str(metrics)], nproc=4, timeout=300)
+        out[run] = read_metrics(metrics)[-1]
+        assert out[run]["final"]
+    return out
+
+
+@pytest.mark.parametrize("meter", ["peak_memory_mb", "peak_activation_mb"])
+def test_an_moe_gpts_peak_memory_per_stage_is_1f1b_s(meter, moe_peaks):
+    """Whole-stage: the live-tensor meter; saved for backward: the saved-tensor meter."""
+    paci, stock = moe_peaks["paci-predict"][meter], moe_peaks["1f1b"][meter]
+    assert len(paci) == len(stock) == 4
+    for stage, (p, s) in enumerate(zip(paci, stock)):
+        assert p <= 1.02 * s, (meter, stage, p, s)
+    print(meter, "PACI / 1F1B per stage:", [round(p / s, 4) for p, s in zip(paci, stock)])
