@@ -110,17 +110,25 @@ def run_python(code: str, args: Sequence[str] = (), *, timeout: float, python_fl
                   cwd=cwd, env=env, check=check)
 
 
+EXIT_FAST = os.path.join(os.path.dirname(os.path.abspath(__file__)), "exit_fast.py")
+
+
 def torchrun_cmd(target: str, args: Sequence = (), *, nproc: Optional[int] = 1,
                  standalone: bool = True, module: bool = False,
-                 launcher_args: Sequence[str] = ()) -> List[str]:
+                 launcher_args: Sequence[str] = (), fast_exit: bool = True) -> List[str]:
     """``python -m torch.distributed.run [--standalone] [--nproc-per-node=N] LAUNCHER_ARGS
-    [-m] TARGET ARGS``: ``module`` runs TARGET as ``-m`` does; ``nproc`` None leaves the count
-    to ``launcher_args`` (a multi-node agent); ``--standalone`` picks a free rendezvous port,
-    so launches never collide."""
+    [exit_fast.py] [-m] TARGET ARGS``: ``module`` runs TARGET as ``-m`` does; ``nproc`` None
+    leaves the count to ``launcher_args`` (a multi-node agent); ``--standalone`` picks a free
+    rendezvous port, so launches never collide; ``fast_exit`` runs each worker through
+    tests/exit_fast.py (no interpreter teardown once the job has ended: a second or more a
+    worker)."""
+    target_argv = [*(["-m"] if module else []), target, *map(str, args)]
+    if fast_exit:
+        target_argv = [EXIT_FAST, *target_argv]
     return [sys.executable, "-m", "torch.distributed.run",
             *(["--standalone"] if standalone else []),
             *([f"--nproc-per-node={nproc}"] if nproc is not None else []),
-            *launcher_args, *(["-m"] if module else []), target, *map(str, args)]
+            *launcher_args, *target_argv]
 
 
 def run_torchrun(
@@ -131,16 +139,19 @@ def run_torchrun(
     env: Optional[Dict[str, str]] = None,
     check: bool = True,
     launcher_args: Sequence[str] = (),
+    fast_exit: bool = True,
 ) -> Tuple[int, str, str]:
     """Run ``torchrun --standalone --nproc-per-node nproc script args`` from the repo root.
 
-    ``launcher_args`` go to torchrun itself (e.g. ``--max-restarts 2``); ``env`` is added to
+    ``launcher_args`` go to torchrun itself (e.g. ``--max-restarts 2``); ``fast_exit`` as
+    ``torchrun_cmd`` takes it; ``env`` is added to
     this process's, with the repo first on PYTHONPATH. Returns ``(returncode, stdout,
     stderr)``. On a timeout the whole tree is killed and an AssertionError carrying the output
     is raised; so is one on a non-zero exit when ``check``.
     """
     script_path = script if os.path.isabs(script) else os.path.join(REPO, script)
-    cmd = torchrun_cmd(script_path, args, nproc=nproc, launcher_args=launcher_args)
+    cmd = torchrun_cmd(script_path, args, nproc=nproc, launcher_args=launcher_args,
+                       fast_exit=fast_exit)
     full_env = dict(os.environ)
     full_env["PYTHONPATH"] = os.pathsep.join(
         p for p in (REPO, full_env.get("PYTHONPATH", "")) if p)

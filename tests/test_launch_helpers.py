@@ -1,7 +1,14 @@
-"""The test launcher's result parser: ranks share one pipe, so a rank's ``RESULT {json}`` can
-land after another rank's unfinished line, or two results can share a line."""
+"""The test launcher's helpers: the result parser (ranks share one pipe, so a rank's
+``RESULT {json}`` can land after another rank's unfinished line, or two results can share a
+line), and tests/exit_fast.py, which every torchrun worker of the suite runs through."""
 
-from launch import parse_results
+import os
+import sys
+
+import pytest
+
+import exit_fast
+from launch import EXIT_FAST, launch, parse_results, torchrun_cmd
 
 
 def test_a_result_after_another_ranks_unfinished_line_is_found():
@@ -15,3 +22,53 @@ def test_the_prefix_in_plain_text_is_not_a_result():
     out = 'print("RESULT " + json.dumps(x))\nRESULT {"rank": 0}\nPACI_SUMMARY {"a": [1]}\n'
     assert parse_results(out) == [{"rank": 0}]
     assert parse_results(out, prefix="PACI_SUMMARY ") == [{"a": [1]}]
+
+
+EXIT_AS = """
+import sys
+print("argv", sys.argv[1:], "path0", sys.path[0], "name", __name__)
+mode = sys.argv[1]
+if mode == "raise":
+    raise ValueError("boom")
+if mode != "ok":
+    sys.exit(int(mode) if mode.isdigit() else mode)
+"""
+# what a job leaves for the exit: a non-daemon thread still running, an atexit handler
+LEAVES_WORK = """
+import atexit, threading, time
+atexit.register(lambda: print("atexit ran"))
+threading.Thread(target=lambda: (time.sleep(0.2), print("thread joined"))).start()
+"""
+
+
+@pytest.mark.parametrize("mode,code", [("ok", 0), ("0", 0), ("3", 3), ("bad --flag", 1)])
+def test_the_target_runs_as_main_with_its_argv_path_and_exit_code(mode, code, tmp_path, capsys,
+                                                                   monkeypatch):
+    script = tmp_path / "job.py"
+    script.write_text(EXIT_AS)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    assert exit_fast.run_target([str(script), mode]) == code
+    out, err = capsys.readouterr()
+    assert f"argv ['{mode}'] path0 {tmp_path} name __main__" in out
+    assert ("bad --flag" in err) == (mode == "bad --flag")
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("mode,code", [("ok", 0), ("3", 3), ("raise", 1)])
+def test_it_joins_threads_runs_atexit_and_keeps_the_exit_code(mode, code, tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(LEAVES_WORK + EXIT_AS)
+    done = launch([sys.executable, EXIT_FAST, str(script), mode], timeout=60)
+    assert done.returncode == code, done.stderr
+    assert "thread joined" in done.stdout and "atexit ran" in done.stdout
+    assert ("ValueError: boom" in done.stderr) == (mode == "raise")
+
+
+def test_torchrun_workers_run_through_it_unless_asked_not_to():
+    cmd = torchrun_cmd("job.py", ["--x"], nproc=2)
+    assert cmd[-3:] == [EXIT_FAST, "job.py", "--x"]
+    cmd = torchrun_cmd("paci_megatron.run", ["s.py"], module=True)
+    assert cmd[-4:] == [EXIT_FAST, "-m", "paci_megatron.run", "s.py"]
+    assert EXIT_FAST not in torchrun_cmd("job.py", fast_exit=False)
+    assert os.path.isfile(EXIT_FAST)
