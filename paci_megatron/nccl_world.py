@@ -120,6 +120,7 @@ class NcclWorld:
         self.collectives: Dict[Tuple[Comm, Hashable], Deque[CommOp]] = defaultdict(deque)
         self.posted: Dict[Hashable, List[CommOp]] = defaultdict(list)
         self.arrivals: Dict[tuple, Dict[Hashable, float]] = defaultdict(dict)
+        self.unsettled = False  # something posted or queued since the last settle
 
     # the host (rules 1, 10)
     def first_uses(self, rank: Hashable, ops: Sequence[CommOp], now: float) -> List[Meeting]:
@@ -148,6 +149,7 @@ class NcclWorld:
         """Enqueue ``ops`` as one kernel on their communicator's stream of ``rank``, posted by
         its host at ``now``."""
         kernel = Kernel(list(ops))
+        self.unsettled = True
         self.streams[(rank, ops[0].comm)].append(kernel)
         self.compute[rank].append((now, Posted(kernel)))
         for op in ops:
@@ -160,6 +162,7 @@ class NcclWorld:
         return list(ops)
 
     def queue(self, rank: Hashable, entry: object, now: float) -> None:
+        self.unsettled = True
         self.compute[rank].append((now, entry))
 
     def idle(self, rank: Hashable, everything: bool, now: float) -> "Idle":
@@ -170,7 +173,11 @@ class NcclWorld:
     # the device (rule 8)
     def settle(self) -> None:
         """Run what can run: compute streams up to their next unmet wait, kernels at the head
-        of their streams, matched operations; until nothing changes."""
+        of their streams, matched operations; until nothing changes. Only posting and queueing
+        change what can run, so with neither since the last settle there is nothing to do."""
+        if not self.unsettled:
+            return
+        self.unsettled = False
         changed = True
         while changed:
             changed = False
