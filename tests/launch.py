@@ -1,6 +1,7 @@
 """The one place the tests start processes: ``start`` (a handle), ``launch`` (run to the end,
-bounded), ``run_python`` (a ``python -c`` snippet), ``torchrun_cmd`` / ``run_torchrun``
-(torchrun workers), and the readers of what workers print.
+bounded), ``run_python`` (a ``python -c`` snippet), ``run_torchrun`` (the ranks of one job:
+through tests/ranks.py, or torchrun's agent as ``torchrun_cmd`` makes it), and the readers of
+what workers print.
 
 Every process starts in a session of its own, and a timeout kills its whole tree
 (``kill_tree``) and raises an AssertionError carrying the tail of its output, so a hung child
@@ -102,6 +103,29 @@ def launch(cmd: Sequence, *, timeout: float, cwd=None, env: Optional[Dict[str, s
     return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
 
 
+def launch_together(cmds: Sequence[Sequence], *, timeout: float, **kwargs
+                    ) -> List[subprocess.CompletedProcess]:
+    """``launch`` each of ``cmds`` at once (single-process commands that mostly import: two
+    run side by side on 2 cores) and wait for all; ``kwargs`` as ``launch`` takes them. Past
+    ``timeout`` every tree still running is killed and an AssertionError raised."""
+    import time
+
+    procs = [start(cmd, **kwargs) for cmd in cmds]
+    deadline, done = time.monotonic() + timeout, []
+    try:
+        for cmd, proc in zip(cmds, procs):
+            try:
+                out, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                out, err = "", ""
+                raise _failure(f"timed out after {timeout}s (hang?)", cmd, out, err) from None
+            done.append(subprocess.CompletedProcess(list(cmd), proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            stop(proc)
+    return done
+
+
 def run_python(code: str, args: Sequence[str] = (), *, timeout: float, python_flags=(),
                cwd=None, env: Optional[Dict[str, str]] = None,
                check: bool = False) -> subprocess.CompletedProcess:
@@ -131,6 +155,17 @@ def torchrun_cmd(target: str, args: Sequence = (), *, nproc: Optional[int] = 1,
             *launcher_args, *target_argv]
 
 
+RANKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ranks.py")
+
+
+def ranks_cmd(target: str, args: Sequence = (), *, nproc: int = 1,
+              module: bool = False) -> List[str]:
+    """``python tests/ranks.py NPROC [-m] TARGET ARGS``: NPROC ranks started the plain way
+    (tests/ranks.py), without torchrun's agent."""
+    return [sys.executable, RANKS, str(nproc), *(["-m"] if module else []), target,
+            *map(str, args)]
+
+
 def run_torchrun(
     script: str,
     args: Sequence[str] = (),
@@ -140,18 +175,24 @@ def run_torchrun(
     check: bool = True,
     launcher_args: Sequence[str] = (),
     fast_exit: bool = True,
+    agent: bool = False,
 ) -> Tuple[int, str, str]:
-    """Run ``torchrun --standalone --nproc-per-node nproc script args`` from the repo root.
+    """Run ``script args`` as ``nproc`` ranks of one job from the repo root.
 
-    ``launcher_args`` go to torchrun itself (e.g. ``--max-restarts 2``); ``fast_exit`` as
-    ``torchrun_cmd`` takes it; ``env`` is added to
-    this process's, with the repo first on PYTHONPATH. Returns ``(returncode, stdout,
-    stderr)``. On a timeout the whole tree is killed and an AssertionError carrying the output
-    is raised; so is one on a non-zero exit when ``check``.
+    ``agent``: under ``torchrun --standalone`` (its agent, its store), as ``torchrun_cmd``
+    makes it, with ``launcher_args`` for torchrun itself (e.g. ``--max-restarts 2``) and
+    ``fast_exit`` as ``torchrun_cmd`` takes it; otherwise through tests/ranks.py (the same
+    ranks and environment the plain way, 1.8 s sooner). ``env`` is added to this process's,
+    with the repo first on PYTHONPATH. Returns ``(returncode, stdout, stderr)``. On a timeout
+    the whole tree is killed and an AssertionError carrying the output is raised; so is one on
+    a non-zero exit when ``check``.
     """
+    if (launcher_args or not fast_exit) and not agent:
+        raise ValueError("launcher_args and fast_exit=False are torchrun's: pass agent=True")
     script_path = script if os.path.isabs(script) else os.path.join(REPO, script)
     cmd = torchrun_cmd(script_path, args, nproc=nproc, launcher_args=launcher_args,
-                       fast_exit=fast_exit)
+                       fast_exit=fast_exit) if agent else ranks_cmd(script_path, args,
+                                                                    nproc=nproc)
     full_env = dict(os.environ)
     full_env["PYTHONPATH"] = os.pathsep.join(
         p for p in (REPO, full_env.get("PYTHONPATH", "")) if p)
@@ -269,3 +310,17 @@ def same_tensors(path_a, path_b, port: str) -> dict:
     line = next((l for l in out.stdout.splitlines() if l.startswith("TENSORS ")), None)
     assert line, _tail(out.stdout + out.stderr)
     return json.loads(line[len("TENSORS "):])
+
+
+def checkpoint_of_iteration(root, iteration: int, dest) -> str:
+    """A --load folder ``dest`` holding only ``root``'s checkpoint of ``iteration`` (a copy, and
+    Megatron's tracker file naming it): a run that saved along the way is then resumed from
+    the middle without a launch that stops there."""
+    import shutil
+
+    name = f"iter_{iteration:07d}"
+    shutil.copytree(os.path.join(str(root), name), os.path.join(str(dest), name))
+    with open(os.path.join(str(dest), "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(iteration))
+    return str(dest)
+

@@ -15,7 +15,7 @@ import unittest.mock
 
 import pytest
 
-from launch import REPO, results_by_case, run_python, run_torchrun
+from launch import REPO, launch_together, results_by_case, run_python, run_torchrun
 
 try:
     from paci_megatron.patches import cpu_gloo, release_check, versions
@@ -337,15 +337,26 @@ print("FP16", [str(d) for d in Matmuls.seen])
 """
 
 
-@pytest.mark.parametrize("native", ["False", "True", "dtype == torch.bfloat16"])
-def test_low_precision_gemm_runs_in_fp32_only_without_a_native_kernel(native):
+NATIVE = ["False", "True", "dtype == torch.bfloat16"]
+
+
+@pytest.fixture(scope="module")
+def gemm_checks():
+    """The check in a fresh process per case, the three side by side (each mostly imports)."""
+    if cpu_gloo.torch.cuda.is_available():
+        pytest.skip("apply_cpu_patches is a no-op with CUDA")
+    runs = launch_together([[sys.executable, "-c", _GEMM_CHECK % {"repo": REPO, "native": n}]
+                            for n in NATIVE], timeout=180)
+    return dict(zip(NATIVE, runs))
+
+
+@pytest.mark.parametrize("native", NATIVE)
+def test_low_precision_gemm_runs_in_fp32_only_without_a_native_kernel(native, gemm_checks):
     """Without native bf16 GEMM (AVX2 CPUs, where oneDNN's bf16 path is 5-40x slower than
     fp32) the linear layer's three GEMMs and core attention's batched ones (and their
     gradients) run in fp32, rounded once to bf16: exactly the hand computation. With it (or
     with one for bf16 alone, the patch then on for fp16), the bf16 GEMMs are left alone."""
-    if cpu_gloo.torch.cuda.is_available():
-        pytest.skip("apply_cpu_patches is a no-op with CUDA")
-    out = run_python(_GEMM_CHECK % {"repo": REPO, "native": native}, timeout=120)
+    out = gemm_checks[native]
     assert out.returncode == 0, out.stdout + out.stderr[-4000:]
     dtype = "float32" if native == "False" else "bfloat16"
     assert f"DTYPES ['torch.{dtype}'] 3" in out.stdout, out.stdout

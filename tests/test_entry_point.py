@@ -17,10 +17,11 @@ FLAGS = ["--train-iters", "8", "--global-batch-size", "8", "--micro-batch-size",
     ("1f1b", "megatron.core.pipeline_parallel.schedules.forward_backward_pipelining_without_interleaving"),
 ])
 def test_main_job_trains(schedule, function):
-    # the README's job as a user runs it: through the interpreter's own exit (the suite's other
-    # launches leave through tests/exit_fast.py), so a hang in the product's teardown fails here
+    # the README's job as a user runs it: under torchrun, through the interpreter's own exit
+    # (the suite's other launches leave through tests/exit_fast.py), so a hang in the
+    # product's teardown fails here
     _, out, _ = run_torchrun("pretrain_gpt_paci.py", FLAGS + ["--pipeline-schedule", schedule],
-                             nproc=2, timeout=180, fast_exit=False)
+                             nproc=2, timeout=180, agent=True, fast_exit=False)
     assert function in out
     summary = paci_summary(out)
     losses = summary["losses"]

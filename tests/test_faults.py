@@ -93,7 +93,8 @@ def test_exception_in_forward_stops_the_job(tmp_path):
     t0 = time.time()
     code, out, err = run_torchrun("tests/workers/paci_cases.py",
                                   ["--out", str(tmp_path), "raise_in_forward"], nproc=4,
-                                  timeout=200, check=False, env={"PACI_TEST_HANG_S": "170"})
+                                  timeout=200, check=False, env={"PACI_TEST_HANG_S": "170"},
+                                  agent=True)  # the job ends as torchrun ends it
     assert code != 0 and time.time() - t0 < 150
     assert "stage 1 failed at F10: RuntimeError: injected failure in forward" in out + err
 

@@ -6,7 +6,7 @@ in tests/test_reference.py (``*moe*``)."""
 
 import pytest
 
-from launch import train_paci
+from launch import checkpoint_of_iteration, train_paci
 from messages import error_line, names_flag
 from paci_megatron.arguments import parse_and_validate
 
@@ -100,8 +100,9 @@ def test_a_moe_gpt_trains_under_paci_at_p2_by_ep2_beside_stock_1f1b(tmp_path):
 @pytest.mark.dist
 def test_a_moe_gpt_with_the_expert_bias_resumes_bit_for_bit(tmp_path):
     """P = 2, a = 1 of 4 micro-batches, the expert bias moving at every local step: 8
-    iterations saving at 4 (a save drains) equal 4, stop, load, 4 more: every loss, and every
-    stage's weights and expert bias at the end (a persistent buffer, in the checkpoint)."""
+    iterations saving at 4 (a save drains) equal that checkpoint loaded and 4 more: every
+    loss, and every stage's weights and expert bias at the end (a persistent buffer, in the
+    checkpoint)."""
     flags = ["--pipeline-model-parallel-size", "2", "--num-layers", "4", "--num-experts", "4",
              "--moe-aux-loss-coeff", "0.01", "--moe-router-score-function", "sigmoid",
              "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.01",
@@ -109,13 +110,12 @@ def test_a_moe_gpt_with_the_expert_bias_resumes_bit_for_bit(tmp_path):
              "1", "--global-batch-size", "8", "--micro-batch-size", "2", "--train-iters", "8"]
     whole = train_paci([*flags, "--save", str(tmp_path / "a"), "--save-interval", "4"],
                        tmp_path / "whole.jsonl")
-    first = train_paci([*flags, "--exit-interval", "4", "--save", str(tmp_path / "b")],
-                       tmp_path / "first.jsonl")
-    second = train_paci([*flags, "--load", str(tmp_path / "b")], tmp_path / "second.jsonl")
+    second = train_paci([*flags, "--load", checkpoint_of_iteration(tmp_path / "a", 4,
+                                                                   tmp_path / "b")],
+                        tmp_path / "second.jsonl")
     assert "loaded checkpoint" in second["out"]
-    losses = {name: {r["iteration"]: r["lm_loss"] for run in runs for r in run["records"]
-                     if "lm_loss" in r} for name, runs in (("whole", [whole]),
-                                                           ("resumed", [first, second]))}
-    assert sorted(losses["resumed"]) == list(range(1, 9))
-    assert losses["resumed"] == losses["whole"]
+    losses = {name: {r["iteration"]: r["lm_loss"] for r in run["records"] if "lm_loss" in r}
+              for name, run in (("whole", whole), ("resumed", second))}
+    assert sorted(losses["resumed"]) == list(range(5, 9))
+    assert losses["resumed"] == {i: losses["whole"][i] for i in range(5, 9)}
     assert second["summary"]["weights_sha256"] == whole["summary"]["weights_sha256"]

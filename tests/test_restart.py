@@ -54,7 +54,7 @@ def _job(tmp_path, name, script="pretrain_gpt_paci.py", fault=None, timeout=400)
     _, out, err = run_torchrun(
         script, P4 + ["--save", str(ckpt), "--load", str(ckpt), "--save-interval", "3",
                       "--metrics-file", str(metrics)],
-        nproc=4, timeout=timeout, env=env,
+        nproc=4, timeout=timeout, env=env, agent=True,  # torchrun's agent store, as restarts
         launcher_args=["--max-restarts", "2"] if fault else ())
     return out, err, read_metrics(metrics), ckpt
 
