@@ -12,6 +12,7 @@ tests/launch.py, ``subprocess``, ``os.fork``/``os.posix_spawn``/``os.system`` or
 on fails all the same.
 """
 
+import gc
 import multiprocessing.process
 import os
 import subprocess
@@ -161,6 +162,21 @@ def _guarded(item):
         refused, guard.refused = guard.refused, []
         raise launch.ProcessRefused(", ".join(refused)[:500])
     return result
+
+
+_FROZEN_FOR = []  # the module whose first test froze the heap last
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """At each test module's first test: collect, then freeze what survives (gc.freeze), so
+    the collector no longer walks the suite's long-lived heap (Megatron's and torch's modules,
+    earlier modules' fixtures). The pure plan checks ran 1.6x slower late in the suite than
+    alone, the time spent in full collections over objects that never die."""
+    if _FROZEN_FOR[-1:] != [item.module]:
+        gc.collect()
+        gc.freeze()
+        _FROZEN_FOR[:] = [item.module]
 
 
 @pytest.hookimpl(wrapper=True)

@@ -8,9 +8,11 @@ the job still happens: non-daemon threads are joined, atexit handlers run, the s
 flushed and the exit code is the script's. An exception leaves the normal way (traceback,
 teardown, status 1). ``launch.torchrun_cmd`` puts this in front of its target unless asked
 not to; tests/test_entry_point.py runs the README's main job without it, so a hang in the
-product's own teardown still fails a test."""
+product's own teardown still fails a test. A fatal signal (a segfault in a native kernel or in
+gloo) prints every thread's Python stack first (faulthandler), so the test's output says where."""
 
 import atexit
+import faulthandler
 import os
 import runpy
 import sys
@@ -46,4 +48,5 @@ def leave(code: int) -> None:
 
 
 if __name__ == "__main__":
+    faulthandler.enable()
     leave(run_target(sys.argv[1:]))

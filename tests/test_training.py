@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from launch import REPO, checkpoint_of_iteration, launch, read_metrics, run_torchrun
-from messages import error_messages, names_flag
+from messages import error_line, error_messages, names_flag
 
 SHAKESPEARE = os.path.join(REPO, "..", "shared", "data", "tinyshakespeare.txt")
 
@@ -101,7 +101,7 @@ def test_resume_is_exact(schedule, tmp_path):
     assert resumed == {i: whole[i] for i in range(5, 9)}  # bit for bit (JSON floats round-trip)
 
 
-@pytest.mark.parametrize("case,match", [
+BAD_INPUT = [
     ("missing_idx", "--data-path"),
     ("truncated_bin", "--data-path"),
     ("no_tokenizer", "--tokenizer-model"),
@@ -109,8 +109,11 @@ def test_resume_is_exact(schedule, tmp_path):
     ("schedule", "argument --pipeline-schedule: invalid choice: 'zb'"),
     ("partial_load", "--load"),
     ("corrupt_load", "--load"),
-])
-def test_bad_input_fails_before_training(case, match, tmp_path):
+]
+
+
+def _bad_input(case, tmp_path):
+    """The flags (and the files they name) of one bad input."""
     prefix = tmp_path / "data_text_document"
     flags = ["--data-path", str(prefix), "--tokenizer-type", "NullTokenizer", "--vocab-size", "99"]
     if case in ("missing_idx", "truncated_bin"):
@@ -132,7 +135,34 @@ def test_bad_input_fails_before_training(case, match, tmp_path):
         (tmp_path / "ckpt" / "iter_0000004").mkdir(parents=True)
         (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("4")
         flags = ["--load", str(tmp_path / "ckpt")]
-    code, out, err = run_torchrun("pretrain_gpt_paci.py", TINY + flags + ["--train-iters", "2"],
+    return TINY + flags + ["--train-iters", "2"]
+
+
+@pytest.mark.parametrize("case,match", BAD_INPUT)
+def test_bad_input_is_found_before_any_process_group(case, match, tmp_path, capsys):
+    """What the entry point checks before it starts a process group (the flags, then the
+    files: tokenizer, dataset, checkpoint), in this process: the error names the flag."""
+    from paci_megatron.arguments import ConfigError, parse_and_validate
+    from paci_megatron.training import preflight
+
+    argv = _bad_input(case, tmp_path)
+    try:
+        args, opts = parse_and_validate(argv, world_size=2)
+        with pytest.raises(ConfigError) as found:
+            preflight(args, opts)
+        message = str(found.value)
+    except SystemExit as stop:  # a bad flag: argparse's error, exit status 2
+        assert stop.code == 2
+        message = error_line(capsys.readouterr().err)
+    assert match in message and names_flag(message, match.split()[0]), message
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case,match", [c for c in BAD_INPUT if c[0] in ("batch", "corrupt_load")])
+def test_bad_input_fails_before_training(case, match, tmp_path):
+    """Through the entry point on 2 ranks, a bad flag and a bad file: every rank's error line,
+    a non-zero exit, nothing trained (the other inputs: in process, above)."""
+    code, out, err = run_torchrun("pretrain_gpt_paci.py", _bad_input(case, tmp_path),
                                   nproc=2, timeout=120, check=False)
     assert code != 0
     messages = error_messages(out + err)  # each rank's "error:" line, not the usage text
