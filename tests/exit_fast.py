@@ -37,10 +37,12 @@ def run_target(argv):
 
 
 def leave(code: int) -> None:
-    """What a normal exit does for the job, then ``os._exit``."""
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    """What a normal exit does for the job, in the interpreter's order, then ``os._exit``:
+    threading's own shutdown first (it tells thread pools to stop, as
+    ``concurrent.futures`` registers, then joins the non-daemon threads: joining a pool's idle
+    worker without that never returns; a Megatron-LM save left one), then the atexit
+    handlers."""
+    threading._shutdown()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

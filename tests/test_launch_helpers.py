@@ -39,9 +39,12 @@ if mode != "ok":
 """
 # what a job leaves for the exit: a non-daemon thread still running, an atexit handler
 LEAVES_WORK = """
-import atexit, threading, time
+import atexit, concurrent.futures, threading, time
 atexit.register(lambda: print("atexit ran"))
 threading.Thread(target=lambda: (time.sleep(0.2), print("thread joined"))).start()
+# a pool never shut down: its idle worker ends only when the interpreter's shutdown says so
+pool = concurrent.futures.ThreadPoolExecutor(1)
+pool.submit(print, "pool ran").result()
 """
 
 
@@ -66,6 +69,7 @@ def test_it_joins_threads_runs_atexit_and_keeps_the_exit_code(mode, code, tmp_pa
     done = launch([sys.executable, EXIT_FAST, str(script), mode], timeout=60)
     assert done.returncode == code, done.stderr
     assert "thread joined" in done.stdout and "atexit ran" in done.stdout
+    assert "pool ran" in done.stdout
     assert ("ValueError: boom" in done.stderr) == (mode == "raise")
 
 
