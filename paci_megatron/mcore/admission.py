@@ -68,18 +68,24 @@ def stage_grad_stats_group(optimizer) -> Any:
 
 
 def has_split_experts(optimizer) -> bool:
-    """MoE experts among the optimizer's parameters (Megatron marks them allreduce=False),
-    split over more than one expert-parallel rank."""
+    """MoE experts among the optimizer's parameters, split over more than one
+    expert-parallel rank. Megatron marks an expert weight ``allreduce=False`` and its param
+    group ``is_expert_parallel``; under bf16 / fp16 the torch optimizer holds fp32 main
+    copies, which do not carry the weight's attribute, so the group's mark is what tells."""
     if parallel_state.get_expert_model_parallel_world_size() <= 1:
         return False
     # asked at every step and predicted forward: the parameters are walked once per optimizer
     known = getattr(optimizer, "_paci_split_experts", None)
     if known is None:
         subs = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-        known = any(not getattr(param, "allreduce", True) for sub in subs
-                    for group in sub.optimizer.param_groups for param in group["params"])
+        known = any(_holds_experts(group) for sub in subs for group in sub.optimizer.param_groups)
         optimizer._paci_split_experts = known
     return known
+
+
+def _holds_experts(group: dict) -> bool:
+    return bool(group.get("is_expert_parallel")) or any(
+        not getattr(param, "allreduce", True) for param in group["params"])
 
 
 # --num-distributed-optimizer-instances N > 1: this rank's part of its instance's group, in

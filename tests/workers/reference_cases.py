@@ -149,6 +149,8 @@ CASES: Dict[str, Dict] = {
     "p2_moe": dict(pp=2, a=2, dropout=0.1, moe=MOE),
     "p4_moe_bf16_predict": dict(pp=4, a=2, bf16=True, predict=True, moe=MOE),
     "p2_dp2_ep2_moe": dict(pp=2, dp=2, ep=2, a=2, moe=MOE),
+    # bf16: the expert optimizer steps fp32 main copies, which lack the weights' allreduce mark
+    "p2_dp2_ep2_moe_bf16": dict(pp=2, dp=2, ep=2, a=2, bf16=True, moe=MOE),
     "p2_dp2_ep2_moe_allgather": dict(pp=2, dp=2, ep=2, a=2, dist_opt=True,
                                      moe=dict(MOE, token_dispatcher_type="allgather")),
     # fp16 with the stages' scalers apart: each backward scales the aux loss's gradient at its
