@@ -84,6 +84,8 @@ def has_split_experts(optimizer) -> bool:
 
 
 def _holds_experts(group: dict) -> bool:
+    """Python metadata of one param group (no tensor is read, so no host sync), asked once
+    per optimizer: ``has_split_experts`` keeps the answer."""
     return bool(group.get("is_expert_parallel")) or any(
         not getattr(param, "allreduce", True) for param in group["params"])
 
