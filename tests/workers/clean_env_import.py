@@ -1,14 +1,15 @@
 """Import Megatron-LM's pretrain_gpt.py (through paci_megatron.run's hooks) as on a fresh
 install of ``paci-megatron[megatron-lm]``, without installing anything.
 
-    python tests/workers/clean_env_import.py PRETRAIN_GPT [--without NAME]
+    python tests/workers/clean_env_import.py PRETRAIN_GPT [--without NAME[,NAME...]]
 
 The distributions such an install brings (this repository's ``install_requires`` and the
 ``megatron-lm`` extra, their requirements recursively from the installed metadata, and the
 pip/setuptools of a new virtual environment) are linked into a temporary folder; the import
 then runs in ``python -S`` (no site-packages, no .pth files) with only that folder on the
-path, which also holds this repository's package laid out as installed. ``--without NAME``
-leaves NAME out of the extra (to see that it is needed). Prints ``IMPORTED`` or ``REFUSED
+path, which also holds this repository's package laid out as installed. ``--without NAMES``
+leaves those packages (a comma-separated list) out of the extra, to see that one is needed
+or that none of them is. Prints ``IMPORTED`` or ``REFUSED
 <error>``.
 """
 
@@ -110,14 +111,14 @@ def child(script: str) -> None:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("script")
-    parser.add_argument("--without", default=None)
+    parser.add_argument("--without", default="")
     parser.add_argument("--child", action="store_true")
     args = parser.parse_args()
     if args.child:
         return child(args.script)
+    left_out = {_norm(name) for name in args.without.split(",") if name}
     requirements = [r for r in setup_requirements("megatron-lm")
-                    if args.without is None or _norm(re.split(r"[<>=!~\[; ]", r)[0])
-                    != _norm(args.without)]
+                    if _norm(re.split(r"[<>=!~\[; ]", r)[0]) not in left_out]
     dists = closure(requirements + list(FRESH_VENV))
     with tempfile.TemporaryDirectory(prefix="fresh_site_") as folder:
         link_site(dists, folder)
