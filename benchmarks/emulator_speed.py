@@ -7,6 +7,9 @@ Both run the same action lists and give the same numbers (tests/test_reference.p
 
 Prints seconds per training call (N = 8 micro-batches) after two untimed calls, for the
 paper-regime study's model (GPT 8 x 512, sequence 64, micro-batch 1, bf16, P = 4, a = 8).
+``--stages P --layers L --hidden H --micro-batches N`` time another shape, e.g. study 15's
+(``--mode emulator --stages 16 --layers 32 --hidden 128 --heads 4 --vocab 2000
+--micro-batches 16``), a = N.
 """
 
 import argparse
@@ -21,6 +24,15 @@ from paci_megatron.mcore.runtime import PaciRuntime
 P, N, MBS, SEED = 4, 8, 1, 1234
 SPEC = build.GPTSpec(num_layers=8, hidden_size=512, num_attention_heads=8, seq_length=64,
                      vocab_size=2048, untie_embeddings=True, bf16=True)
+
+
+def set_shape(args) -> None:
+    """The module's shape from the flags (the defaults are the paper-regime study's)."""
+    global P, N, SPEC
+    P, N = args.stages, args.micro_batches
+    SPEC = build.GPTSpec(num_layers=args.layers, hidden_size=args.hidden,
+                         num_attention_heads=args.heads, seq_length=64,
+                         vocab_size=args.vocab, untie_embeddings=True, bf16=True)
 
 
 def parts() -> StageParts:
@@ -46,7 +58,14 @@ def main() -> None:
     parser.add_argument("--mode", choices=("runtime", "emulator"), required=True)
     parser.add_argument("--calls", type=int, default=6)
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads (emulator)")
+    parser.add_argument("--stages", type=int, default=P)
+    parser.add_argument("--micro-batches", type=int, default=N)
+    parser.add_argument("--layers", type=int, default=SPEC.num_layers)
+    parser.add_argument("--hidden", type=int, default=SPEC.hidden_size)
+    parser.add_argument("--heads", type=int, default=SPEC.num_attention_heads)
+    parser.add_argument("--vocab", type=int, default=SPEC.vocab_size)
     args = parser.parse_args()
+    set_shape(args)
     torch.set_num_threads(args.threads)
     if args.mode == "runtime":
         build.init_distributed(pp=P, seed=SEED, timeout_s=600)
