@@ -4,6 +4,8 @@ exactly as defined with MoE layers (the aux loss, shared experts, EP inside a st
 dispatchers, the weight prediction) is checked bit for bit against the one-process reference
 in tests/test_reference.py (``*moe*``)."""
 
+import re
+
 import pytest
 
 from launch import checkpoint_of_iteration, train_paci
@@ -95,6 +97,19 @@ def test_a_moe_gpt_trains_under_paci_at_p2_by_ep2_beside_stock_1f1b(tmp_path):
         assert [(r["moe_layers"], r["iterations"]) for r in rows] == [(2, 6), (2, 6)], rows
         assert all(0.5 < r["means"]["load_balancing_loss"] < 2.0 for r in rows)
     assert "> PACI stage 1 MoE (2 MoE layers, mean over 6 iterations)" in paci["out"]
+    # tokens per expert, each router's over the run on this rank: stock routed each of its 6
+    # iterations' 8 micro-batches of 2 x 32 tokens to 2 experts; PACI those, and on stage 0
+    # the forward the final drain dropped (P - 1 - s = 1); the last stage's run alike
+    slots = 2 * 32 * 2
+    for run, extra in ((stock, (0, 0)), (paci, (1, 0))):
+        rows = run["summary"]["moe"]
+        for stage, row in enumerate(rows):
+            assert len(row["tokens_per_expert"]) == 2, row  # its 2 MoE layers' routers
+            assert all(len(layer) == 4 for layer in row["tokens_per_expert"])
+            assert [sum(layer) for layer in row["tokens_per_expert"]] == \
+                [(6 * 8 + extra[stage]) * slots] * 2, (stage, row["tokens_per_expert"])
+    assert re.search(r"> PACI stage 0 MoE tokens per expert \(this rank's, over the run\): "
+                     r"from 0\.\d+ to [12]\.\d+ of the mean, 6272 routed a router", paci["out"])
 
 
 @pytest.mark.dist

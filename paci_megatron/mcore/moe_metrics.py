@@ -13,7 +13,11 @@ its layers, and the iteration log (printed by the last stage) shows the last sta
 Megatron scales the sums by 1 / micro-batches; under PACI the first call after a start or a
 drain also runs the forwards then in flight, so the scale here is 1 / this stage's forwards in
 the call (``forwards``, the runtime's count): each value is a mean per forward and per MoE layer.
-The stage also keeps each metric's sum over the run, for its end-of-run line.
+The stage also keeps each metric's sum over the run, for its end-of-run line, and each
+router's tokens per expert over the run (this rank's tokens: the routing before dispatch; a
+forward hook adds the routing map's column sums on the device, read once at the end). Under
+PACI that count holds the forwards the end-of-run drain drops (at most P - 1 - s micro-batches
+of stage s); with full recomputation a recomputed forward counts again.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.router import TopKRouter
 
 
 def moe_layers(model_chunks) -> int:
@@ -107,6 +112,18 @@ class StageMoeMetrics:
         self.forwards = forwards  # PACI: the stage's forwards in the last call (None: stock)
         self.sums: Dict[str, torch.Tensor] = {}
         self.reports = 0
+        self.tokens: List[torch.Tensor] = []  # per router: tokens routed to each expert
+        for module in (m for chunk in model_chunks for m in chunk.modules()):
+            if isinstance(module, TopKRouter):
+                module.register_forward_hook(self._counter(len(self.tokens)))
+                self.tokens.append(torch.zeros(module.weight.shape[0], dtype=torch.int64,
+                                               device=module.weight.device))
+
+    def _counter(self, index: int) -> Callable:
+        def count(module, _inputs, output) -> None:
+            if module.training and isinstance(output, tuple) and len(output) > 1:
+                self.tokens[index].add_(output[1].sum(dim=0))  # routing map [tokens, experts]
+        return count
 
     def report(self, report: Callable, *args, **kwargs):
         """``report(*args, **kwargs)`` as Megatron-LM's training log calls it, stage-local;
@@ -142,9 +159,12 @@ class StageMoeMetrics:
         return values
 
     def summary(self) -> Dict:
-        """The run's mean of each metric (one host sync: call it at the end)."""
+        """The run's mean of each metric and the tokens per expert (host syncs: call it at the
+        end)."""
         means = {name: float(total) / max(self.reports, 1) for name, total in self.sums.items()}
-        return {"moe_layers": self.layers, "iterations": self.reports, "means": means}
+        tokens = torch.stack(self.tokens).tolist() if self.tokens else []
+        return {"moe_layers": self.layers, "iterations": self.reports, "means": means,
+                "tokens_per_expert": tokens}
 
 
 def summary_line(stage: int, row: Optional[Dict]) -> Optional[str]:
@@ -153,4 +173,17 @@ def summary_line(stage: int, row: Optional[Dict]) -> Optional[str]:
         return None
     means = ", ".join(f"{name} {value:.6e}" for name, value in sorted(row["means"].items()))
     return (f"> PACI stage {stage} MoE ({row['moe_layers']} MoE layers, mean over "
-            f"{row['iterations']} iterations): {means or 'no metric tracked'}")
+            f"{row['iterations']} iterations): {means or 'no metric tracked'}"
+            f"{token_balance(stage, row.get('tokens_per_expert') or [])}")
+
+
+def token_balance(stage: int, tokens: List[List[int]]) -> str:
+    """A second line: tokens per expert over the run as shares of the mean, the extremes over
+    the stage's routers (empty where nothing was routed)."""
+    shares = [count * len(layer) / sum(layer) for layer in tokens if sum(layer)
+              for count in layer]
+    if not shares:
+        return ""
+    return (f"\n> PACI stage {stage} MoE tokens per expert (this rank's, over the run): from "
+            f"{min(shares):.3f} to {max(shares):.3f} of the mean, {sum(tokens[0])} routed a "
+            "router")
