@@ -11,11 +11,10 @@ tests/test_mtp.py). Guarded by default at P = 2 (tests/test_moe.py, tests/test_m
 against the emulator (tests/test_reference.py). The drop-in's run is in
 tests/test_megatron_lm.py."""
 
-import shutil
 
 import pytest
 
-from launch import train_paci
+from launch import checkpoint_of_iteration, train_paci
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -62,10 +61,8 @@ def test_it_resumes_bit_for_bit_without_the_distributed_optimizer(tmp_path):
     flags = [f for f in FLAGS if f != "--use-distributed-optimizer"]
     whole = train_paci([*flags, "--save", str(tmp_path / "a"), "--save-interval",
                         str(SAVE_AT)], tmp_path / "whole.jsonl", nproc=P * EP, timeout=900)
-    tag = f"iter_{SAVE_AT:07d}"
-    shutil.copytree(tmp_path / "a" / tag, tmp_path / "b" / tag)
-    (tmp_path / "b" / "latest_checkpointed_iteration.txt").write_text(str(SAVE_AT))
-    resumed = train_paci([*flags, "--load", str(tmp_path / "b")], tmp_path / "resumed.jsonl",
+    start_at = checkpoint_of_iteration(tmp_path / "a", SAVE_AT, tmp_path / "b")
+    resumed = train_paci([*flags, "--load", start_at], tmp_path / "resumed.jsonl",
                          nproc=P * EP, timeout=900)
     losses = {name: {r["iteration"]: r["lm_loss"] for r in run["records"] if "lm_loss" in r}
               for name, run in (("whole", whole), ("resumed", resumed))}

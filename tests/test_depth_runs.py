@@ -6,11 +6,10 @@ at P = 2 and 4 (tests/test_tied.py, tests/test_training.py) and, at P = 16, by t
 case of tests/test_reference.py (CI's slow step) and the plan checks of tests/test_depth.py.
 The drop-in's P = 16 run is in tests/test_megatron_lm.py."""
 
-import shutil
 
 import pytest
 
-from launch import train_paci
+from launch import checkpoint_of_iteration, train_paci
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -26,10 +25,8 @@ BOUNDS = [2] * 7 + [1] * 8 + [0]  # ceil((P - 1 - s) / a)
 def test_sixteen_stages_train_with_drift_at_the_bound_and_resume_bit_for_bit(tmp_path):
     whole = train_paci([*FLAGS, "--save", str(tmp_path / "a"), "--save-interval",
                         str(SAVE_AT)], tmp_path / "whole.jsonl", nproc=P, timeout=600)
-    tag = f"iter_{SAVE_AT:07d}"
-    shutil.copytree(tmp_path / "a" / tag, tmp_path / "b" / tag)
-    (tmp_path / "b" / "latest_checkpointed_iteration.txt").write_text(str(SAVE_AT))
-    resumed = train_paci([*FLAGS, "--load", str(tmp_path / "b")], tmp_path / "resumed.jsonl",
+    start_at = checkpoint_of_iteration(tmp_path / "a", SAVE_AT, tmp_path / "b")
+    resumed = train_paci([*FLAGS, "--load", start_at], tmp_path / "resumed.jsonl",
                          nproc=P, timeout=600)
     drift = whole["summary"]["drift"]
     assert [row["max"] for row in drift] == [row["bound"] for row in drift] == BOUNDS

@@ -15,7 +15,6 @@ import argparse
 import math
 import os
 import re
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -916,10 +915,8 @@ def test_sixteen_stages_train_and_resume_through_the_drop_in(checkout, tmp_path)
         (tmp_path / sub).mkdir()
     straight = _ok(checkout, [*paci, "--save", str(tmp_path / "s"), "--save-interval", "2"],
                    tmp_path / "straight", nproc=16, timeout=600, model_flags=flags)
-    (tmp_path / "b").mkdir()
-    shutil.copytree(tmp_path / "s" / "iter_0000002", tmp_path / "b" / "iter_0000002")
-    (tmp_path / "b" / "latest_checkpointed_iteration.txt").write_text("2")
-    resumed = _ok(checkout, [*paci, "--load", str(tmp_path / "b")], tmp_path / "resumed",
+    start_at = checkpoint_of_iteration(tmp_path / "s", 2, tmp_path / "b")
+    resumed = _ok(checkout, [*paci, "--load", start_at], tmp_path / "resumed",
                   nproc=16, timeout=600, model_flags=flags)
     bounds = [2] * 7 + [1] * 8 + [0]
     assert drift(straight) == {s: dict(max=b, bound=b, steps=8) for s, b in enumerate(bounds)}

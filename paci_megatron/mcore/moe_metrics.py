@@ -162,6 +162,7 @@ class StageMoeMetrics:
         """The run's mean of each metric and the tokens per expert (host syncs: call it at the
         end)."""
         means = {name: float(total) / max(self.reports, 1) for name, total in self.sums.items()}
+        # a host sync, once: after the final drain (training.py, run.report), off the hot path
         tokens = torch.stack(self.tokens).tolist() if self.tokens else []
         return {"moe_layers": self.layers, "iterations": self.reports, "means": means,
                 "tokens_per_expert": tokens}
@@ -180,8 +181,8 @@ def summary_line(stage: int, row: Optional[Dict]) -> Optional[str]:
 def token_balance(stage: int, tokens: List[List[int]]) -> str:
     """A second line: tokens per expert over the run as shares of the mean, the extremes over
     the stage's routers (empty where nothing was routed)."""
-    shares = [count * len(layer) / sum(layer) for layer in tokens if sum(layer)
-              for count in layer]
+    means = [(layer, sum(layer) / len(layer)) for layer in tokens]
+    shares = [count / mean for layer, mean in means if mean for count in layer]
     if not shares:
         return ""
     return (f"\n> PACI stage {stage} MoE tokens per expert (this rank's, over the run): from "
